@@ -1,0 +1,215 @@
+"""One object holds every setting.
+
+`Config` bundles one dataclass per part of the engine (model, cache, scheduler,
+device). It is built once, from `LLM(...)` keyword arguments or the command line,
+and handed to every class. A new setting is one new field here, nothing more:
+`Config.from_kwargs` and the command line are generated from these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "M": 1000**2, "G": 1000**3, "T": 1000**4,
+               "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as "4GiB", "512MB" or "1e9"."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE_RE.match(str(value))
+    if match is None:
+        try:
+            return int(float(value))
+        except ValueError:
+            raise ValueError(f"cannot read {value!r} as a size in bytes "
+                             "(examples: 4GiB, 512MiB, 2000000000)") from None
+    unit = (match.group(2) or "").upper().rstrip("B")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+@dataclass
+class ModelConfig:
+    """What model to run and how to read it."""
+
+    model: Optional[str] = field(default=None, metadata={
+        "help": "path to a local Hugging Face model directory (config.json, *.safetensors, tokenizer)"})
+    tokenizer: Optional[str] = field(default=None, metadata={
+        "help": "tokenizer directory (default: the model's)"})
+    dtype: str = field(default="auto", metadata={
+        "help": "weight and activation dtype: auto (the checkpoint's), float32, bfloat16, float16"})
+    max_model_len: Optional[int] = field(default=None, metadata={
+        "help": "longest sequence (prompt + output) in tokens (default: the model's context length)"})
+    seed: int = field(default=0, metadata={"help": "seed for requests that do not give their own"})
+
+    # Filled in by __post_init__ from the checkpoint.
+    hf_config: Any = field(default=None, repr=False, metadata={"cli": False})
+    torch_dtype: Any = field(default=None, repr=False, metadata={"cli": False})
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            raise ValueError("no model given: pass model=PATH (a local Hugging Face model directory)")
+        self.model = os.path.expanduser(str(self.model))
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model {self.model!r} is not a directory: pass a local Hugging Face "
+                             "model directory (with config.json and *.safetensors)")
+        config_path = os.path.join(self.model, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"model directory {self.model!r} has no config.json")
+        if self.hf_config is None:
+            with open(config_path, encoding="utf-8") as f:
+                self.hf_config = json.load(f)
+        self.tokenizer = self.tokenizer or self.model
+        self.torch_dtype = self._resolve_dtype()
+        limit = self.derived_max_model_len()
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif self.max_model_len < 1:
+            raise ValueError(f"max_model_len ({self.max_model_len}) must be >= 1")
+        elif self.max_model_len > limit:
+            raise ValueError(f"max_model_len ({self.max_model_len}) is longer than the model's "
+                             f"context length ({limit})")
+
+    def _resolve_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            name = self.hf_config.get("torch_dtype") or self.hf_config.get("dtype") or "float32"
+            return _DTYPES.get(name, torch.float32)
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of auto, " + ", ".join(_DTYPES))
+        return _DTYPES[self.dtype]
+
+    def derived_max_model_len(self) -> int:
+        """The model's own context length; a sliding window caps it (we attend fully)."""
+        limit = int(self.hf_config.get("max_position_embeddings") or 2048)
+        window = self.hf_config.get("sliding_window")
+        if window and self.hf_config.get("use_sliding_window", True):
+            limit = min(limit, int(window))
+        return limit
+
+    @property
+    def architecture(self) -> str:
+        archs = self.hf_config.get("architectures") or [""]
+        return archs[0]
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache."""
+
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of equal prompt prefixes"})
+    kv_cache_memory: Optional[str] = field(default=None, metadata={
+        "help": "bytes for the KV cache on the CPU, e.g. 4GiB (default: a quarter of free RAM, at most 8GiB)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "share of GPU memory the engine may use (weights, activations and KV cache)"})
+    num_gpu_blocks_override: Optional[int] = field(default=None, metadata={
+        "help": "fix the number of KV blocks outright, on any device"})
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size ({self.block_size}) must be a power of two")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization ({self.gpu_memory_utilization}) must be in (0, 1]")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override ({self.num_gpu_blocks_override}) must be >= 1")
+        if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
+            raise ValueError(f"kv_cache_memory ({self.kv_cache_memory}) must be a positive size")
+
+    def kv_cache_bytes(self) -> int:
+        """The CPU byte budget: the configured one, or a quarter of free RAM (at most 8 GiB)."""
+        if self.kv_cache_memory is not None:
+            return parse_size(self.kv_cache_memory)
+        available = _available_ram_bytes()
+        return max(64 * 1024**2, min(available // 4, 8 * 1024**3))
+
+
+@dataclass
+class SchedulerConfig:
+    """The per-step budget. Chunked prefill is always on."""
+
+    max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "most tokens in one step"})
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= 1")
+
+
+@dataclass
+class DeviceConfig:
+    device: str = field(default="auto", metadata={"help": "auto (cuda when present), cpu or cuda[:N]"})
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device {self.device!r} must be auto, cpu or cuda[:N]")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but torch sees no CUDA device")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+
+@dataclass
+class Config:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    PARTS = ("model", "cache", "scheduler", "device")
+
+    @classmethod
+    def part_fields(cls) -> dict[str, list[dataclasses.Field]]:
+        """The user-settable fields of each part, in declaration order."""
+        parts = {"model": ModelConfig, "cache": CacheConfig,
+                 "scheduler": SchedulerConfig, "device": DeviceConfig}
+        return {name: [f for f in dataclasses.fields(kind) if f.metadata.get("cli", True)]
+                for name, kind in parts.items()}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "Config":
+        """Route each keyword to the part that owns the field of that name."""
+        per_part: dict[str, dict[str, Any]] = {name: {} for name in cls.PARTS}
+        owner = {f.name: part for part, fields in cls.part_fields().items() for f in fields}
+        for key, value in kwargs.items():
+            if key not in owner:
+                raise TypeError(f"unknown setting {key!r}; known settings: {', '.join(sorted(owner))}")
+            per_part[owner[key]][key] = value
+        return cls(model=ModelConfig(**per_part["model"]),
+                   cache=CacheConfig(**per_part["cache"]),
+                   scheduler=SchedulerConfig(**per_part["scheduler"]),
+                   device=DeviceConfig(**per_part["device"]))
+
+
+def _available_ram_bytes() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 * 1024**3

@@ -1,0 +1,126 @@
+"""KVCacheManager: which KV blocks each request holds, and prefix-cache lookups.
+
+A request's blocks cover its tokens in order: block i holds the KV of tokens
+[i * block_size, (i + 1) * block_size). A block is *full* once all its token
+slots are scheduled; a full block is registered in the pool under a hash that
+chains the parent block's hash and the block's token IDs, so two requests with
+the same first k * block_size tokens map to the same k blocks.
+
+Full blocks are registered when they are scheduled, not when they are computed:
+within one step every layer writes all KV before it reads any, so a request
+scheduled later in the same step may already share them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from streamserve.engine.block_pool import BlockPool, KVCacheBlock
+from streamserve.engine.request import Request
+
+_ROOT_HASH = hash("streamserve-kv-root")
+
+
+def hash_block_tokens(parent_hash: Optional[int], token_ids: tuple[int, ...]) -> int:
+    return hash((_ROOT_HASH if parent_hash is None else parent_hash, token_ids))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are registered in the hash map.
+        self.num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    def usage(self) -> float:
+        return self.block_pool.usage()
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend the request's chained hashes to cover all of its full blocks."""
+        hashes, size, tokens = request.block_hashes, self.block_size, request.all_token_ids
+        for i in range(len(hashes), len(tokens) // size):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tuple(tokens[i * size:(i + 1) * size])))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of full blocks, and how many tokens it covers.
+
+        The last token is never taken from the cache: the request must compute at
+        least one token to get logits to sample from.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup whose request was admitted (retries are not counted)."""
+        if self.enable_caching:
+            self.block_pool.prefix_cache_queries += num_query_tokens
+            self.block_pool.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Optional[list[KVCacheBlock]] = None
+                       ) -> Optional[list[KVCacheBlock]]:
+        """Give the request blocks for `num_new_tokens` more tokens after its
+        computed ones (and after `new_computed_blocks`, a prefix hit being taken).
+        Returns the newly taken blocks, or None (and changes nothing) if the pool
+        cannot supply them."""
+        computed = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = num_needed - len(req_blocks) - len(computed)
+        # Hit blocks sitting in the free queue stop being free once touched.
+        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        if computed:
+            self.block_pool.touch(computed)
+            req_blocks.extend(computed)
+            self.num_cached_blocks[request.request_id] = len(req_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock],
+                           num_scheduled_tokens: int) -> None:
+        num_full = num_scheduled_tokens // self.block_size
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self.update_block_hashes(request)
+        for i in range(start, num_full):
+            self.block_pool.cache_full_block(req_blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks, last block first (evicted first)."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]

@@ -1,0 +1,130 @@
+"""Request: the engine's view of one sequence, and what crosses the engine's edges.
+
+A request's life is two counters (DESIGN.md, "The scheduler has no phases"):
+`num_tokens` (prompt + output so far) and `num_computed_tokens` (how many of those
+have KV in the cache). The scheduler closes the gap; the request samples a token
+each time the gap closes.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import NamedTuple, Optional
+
+from streamserve.engine.scheduler_output import TokenLogprobs
+from streamserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything from here on is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class EngineCoreRequest(NamedTuple):
+    """What the front end hands the engine: token IDs and how to sample them."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int]
+    arrival_time: float
+
+
+class EngineCoreOutput(NamedTuple):
+    """One request's news from one step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Optional[list[TokenLogprobs]]
+    finish_reason: Optional[str]
+    stop_reason: Optional[int | str]
+    num_cached_tokens: int
+
+
+class Request:
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id",
+                 "arrival_time", "max_tokens", "all_token_ids", "output_token_ids",
+                 "num_computed_tokens", "num_cached_tokens", "status", "stop_reason",
+                 "block_hashes", "num_preemptions", "first_scheduled_time")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_id: Optional[int],
+                 max_model_len: int, arrival_time: Optional[float] = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # Output is capped by max_tokens and by the room left in max_model_len.
+        room = max_model_len - len(self.prompt_token_ids)
+        asked = sampling_params.max_tokens
+        self.max_tokens = room if asked is None else min(asked, room)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set when first scheduled: prefix-cache hit length
+        self.status = RequestStatus.WAITING
+        self.stop_reason: Optional[int | str] = None
+        self.block_hashes: list[int] = []  # one per full block of all_token_ids, chained
+        self.num_preemptions = 0
+        self.first_scheduled_time: Optional[float] = None
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> "Request":
+        return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
+                   req.eos_token_id, max_model_len, req.arrival_time)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Set a finished status if the last sampled token ends the request."""
+        params = self.sampling_params
+        n = self.num_output_tokens
+        last = self.output_token_ids[-1]
+        if n >= params.min_tokens:
+            if last == self.eos_token_id and not params.ignore_eos:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_set:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if n >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

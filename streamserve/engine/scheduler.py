@@ -1,0 +1,167 @@
+"""Scheduler: each step, decide how many tokens of each request the model reads.
+
+There are no phases. A request's gap is `num_tokens - num_computed_tokens`: a
+fresh prompt's gap is its length (read in chunks under the token budget), a
+decoding request's gap is 1 (the token it just sampled), and a prompt whose
+leading blocks are cached starts with a smaller gap. Each step closes gaps under
+`max_num_batched_tokens` and `max_num_seqs`: running requests first, in order,
+then waiting ones, first come first served. When the KV pool runs dry, the newest
+running request is preempted: its blocks go back and it returns to the front of
+the waiting queue, to be recomputed (through the prefix cache where it can).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from streamserve.config import Config
+from streamserve.engine.kv_cache_manager import KVCacheManager
+from streamserve.engine.request import EngineCoreOutput, Request, RequestStatus
+from streamserve.engine.scheduler_output import (CachedRequestData, ModelRunnerOutput,
+                                                 NewRequestData, SchedulerOutput)
+
+
+class Scheduler:
+    def __init__(self, config: Config, num_blocks: int) -> None:
+        self.max_num_seqs = config.scheduler.max_num_seqs
+        self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
+        self.max_model_len = config.model.max_model_len
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
+                                               config.cache.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # -- intake ---------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request at any point and return its blocks. False if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free(request)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- one step ---------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        cached = CachedRequestData()
+        new_reqs: list[NewRequestData] = []
+        preempted: list[Request] = []
+        kv = self.kv_cache_manager
+
+        # 1. Running requests first, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            new_blocks = kv.allocate_slots(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+                new_blocks = kv.allocate_slots(request, num_new)
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            cached.req_ids.append(request.request_id)
+            cached.new_block_ids.append([b.block_id for b in new_blocks])
+            cached.num_computed_tokens.append(request.num_computed_tokens)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, first come first served, unless this step preempted.
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.max_num_seqs):
+            request = self.waiting[0]
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            kv.record_prefix_lookup(request.num_tokens, num_hit)
+            num_scheduled[request.request_id] = num_new
+            new_reqs.append(NewRequestData(
+                request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
+                request.sampling_params, request.eos_token_id,
+                kv.get_block_ids(request.request_id), num_hit))
+            budget -= num_new
+
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=[r.request_id for r in preempted],
+        )
+        self.finished_req_ids = set()
+        # The scheduled tokens count as computed from here on (the step runs them).
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, finish what is done, free it, report every change."""
+        outputs: list[EngineCoreOutput] = []
+        logprobs = runner_output.logprobs
+        any_finished = False
+        for i, req_id in enumerate(runner_output.req_ids):
+            request = self.requests.get(req_id)
+            if request is None:  # aborted while the step ran
+                continue
+            token = runner_output.sampled_token_ids[i]
+            request.append_output_token(token)
+            finished = request.check_stop()
+            outputs.append(EngineCoreOutput(
+                req_id, [token], None if logprobs is None or logprobs[i] is None else [logprobs[i]],
+                request.status.finish_reason if finished else None,
+                request.stop_reason, request.num_cached_tokens))
+            if finished:
+                any_finished = True
+                del self.requests[req_id]
+                self._free(request)
+        if any_finished:
+            self.running = [r for r in self.running if not r.status.finished]
+        return outputs
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)

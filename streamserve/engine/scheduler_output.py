@@ -1,0 +1,64 @@
+"""What crosses between the scheduler and the model runner, each way, once a step.
+
+The worker imports this module, never the scheduler itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+from streamserve.sampling_params import SamplingParams
+
+
+class TokenLogprobs(NamedTuple):
+    """Logprobs at one sampled position: the sampled token's, then the top-N."""
+
+    sampled_logprob: float
+    sampled_rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has no state for yet (first time, or resumed
+    after preemption): everything it needs to run it."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + output so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds: only what changed."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to read this step, in batch order (running, then new).
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget before this step (finished, aborted, preempted).
+    finished_req_ids: set[str]
+    preempted_req_ids: list[str]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The requests that sampled this step, in batch order, with their tokens."""
+
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: Optional[list[Optional[TokenLogprobs]]] = None

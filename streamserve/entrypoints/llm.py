@@ -1,0 +1,111 @@
+"""LLM: the offline Python API, vLLM-compatible.
+
+    from streamserve import LLM, SamplingParams
+    llm = LLM(model="path/to/hf-dir")
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+
+The engine runs in the calling thread: add every request, then step until done.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from streamserve.config import Config
+from streamserve.engine.core import EngineCore
+from streamserve.frontend.input_processor import InputProcessor, PromptType
+from streamserve.frontend.output_processor import OutputProcessor
+from streamserve.frontend.renderer import Message, Renderer, load_tokenizer
+from streamserve.outputs import RequestOutput
+from streamserve.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        self.config = Config.from_kwargs(model=model, **kwargs)
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+        self.renderer = Renderer(self.tokenizer)
+        self.engine_core = EngineCore(self.config)
+        self.input_processor = InputProcessor(self.config, self.renderer, self.engine_core.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        request_ids = []
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                text, ids = self.input_processor.tokenize(prompt)
+                request_ids.append(self._add_request(text, ids, params))
+            return self._run_engine(request_ids, use_tqdm)
+        except BaseException:
+            self._abort(request_ids)
+            raise
+
+    def chat(self, messages: Union[list[Message], list[list[Message]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.renderer.render_chat(conversation, add_generation_prompt, chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids":
+                            self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
+        return params
+
+    def _add_request(self, text: Optional[str], ids: list[int], params: SamplingParams) -> str:
+        request_id = str(next(self._counter))
+        self.input_processor.check_length(ids, params)
+        child_ids = self.output_processor.add_request(request_id, text, ids, params)
+        for request in self.input_processor.process(child_ids, ids, params):
+            self.engine_core.add_request(request)
+        return request_id
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                   dynamic_ncols=True)
+        with bar:
+            while self.engine_core.has_unfinished_requests():
+                finished, to_abort = self.output_processor.process_outputs(self.engine_core.step())
+                if to_abort:
+                    self.engine_core.abort_requests(to_abort)
+                for output in finished:
+                    results[output.request_id] = output
+                    bar.update(1)
+        return [results[rid] for rid in request_ids]
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """Drop everything a failed generate() call had queued."""
+        for rid in request_ids:
+            self.engine_core.abort_requests(self.output_processor.abort_request(rid))
+
+
+def _as_prompt_list(prompts: Union[PromptType, Sequence[PromptType]]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token IDs
+    return prompts

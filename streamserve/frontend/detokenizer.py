@@ -1,0 +1,78 @@
+"""Incremental detokenisation and stop strings: the one detokeniser.
+
+Tokens are turned into text a few at a time: decode a window that starts a
+little before the new tokens and keep what the window adds beyond its old end.
+While the window's text ends in U+FFFD, a character's bytes are still arriving
+over several tokens, so nothing is emitted yet.
+
+Stop strings: the text is cut before the first match (or after it with
+include_stop_str_in_output). While a stop string could still be completing, the
+last len(longest stop) - 1 characters are held back from `stream_delta`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from transformers import PreTrainedTokenizerBase
+
+from streamserve.sampling_params import SamplingParams
+
+# Prompt tokens kept as left context, so the first output token decodes with its
+# leading space as it would mid-sentence.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = params.skip_special_tokens
+        self.stop = params.stop_list
+        self.include_stop = params.include_stop_str_in_output
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.output_text = ""
+        self.num_streamed_chars = 0
+        self.stop_reason: Optional[str] = None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, new_token_ids: list[int], finished: bool = False) -> Optional[str]:
+        """Add tokens; return the stop string if one now matches (the text is then final).
+        With `finished`, bytes of an incomplete character are flushed as U+FFFD."""
+        self.ids.extend(new_token_ids)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not finished):
+            return None
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        start = max(0, len(self.output_text) - self.holdback)
+        self.output_text += delta
+        return self._check_stop(start) if self.stop else None
+
+    def _check_stop(self, search_from: int) -> Optional[str]:
+        best: Optional[tuple[int, str]] = None
+        for s in self.stop:
+            idx = self.output_text.find(s, search_from)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        self.output_text = self.output_text[:idx + len(s) if self.include_stop else idx]
+        self.stop_reason = s
+        return s
+
+    def stream_delta(self, finished: bool) -> str:
+        """Text not yet streamed, less what a stop string might still claim."""
+        end = len(self.output_text)
+        if not finished and self.stop:
+            end = max(self.num_streamed_chars, end - self.holdback)
+        delta = self.output_text[self.num_streamed_chars:end]
+        self.num_streamed_chars = end
+        return delta

@@ -1,0 +1,44 @@
+"""Load a model's weights from a local Hugging Face directory (safetensors, sharded or not)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from streamserve.config import ModelConfig
+from streamserve.models.llama import LlamaForCausalLM
+from streamserve.models.registry import build_model
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise ValueError(f"model directory {model_dir!r} has no *.safetensors weights")
+    return files
+
+
+def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> LlamaForCausalLM:
+    """Build the model on `device` in the configured dtype and fill in its weights."""
+    with torch.device("meta"):
+        model = build_model(model_config.hf_config)
+    model = model.to_empty(device=device).to(model_config.torch_dtype)
+    model.load_weights(iterate_safetensors(model_config.model))
+    model.rotary.build_cache(device, model_config.torch_dtype)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,28 @@
+"""Which checkpoint architectures streamserve runs, and how each differs from Llama."""
+
+from __future__ import annotations
+
+from streamserve.models.llama import LlamaArch, LlamaForCausalLM
+
+# architecture name in config.json -> (q/k/v projections carry a bias, per-head q/k RMSNorm)
+_ARCHITECTURES = {
+    "LlamaForCausalLM": (False, False),
+    "MistralForCausalLM": (False, False),
+    "Qwen2ForCausalLM": (True, False),
+    "Qwen3ForCausalLM": (False, True),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_ARCHITECTURES)
+
+
+def build_model(hf_config: dict) -> LlamaForCausalLM:
+    """An unloaded model for this config, or a clear error for an unknown architecture."""
+    archs = hf_config.get("architectures") or []
+    for name in archs:
+        if name in _ARCHITECTURES:
+            qkv_bias, qk_norm = _ARCHITECTURES[name]
+            return LlamaForCausalLM(LlamaArch.from_hf_config(hf_config, qkv_bias, qk_norm))
+    raise ValueError(f"model architecture {archs or '(none given)'} is not supported; "
+                     f"streamserve runs {', '.join(supported_architectures())}")

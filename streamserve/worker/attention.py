@@ -1,0 +1,100 @@
+"""Paged attention with torch ops: the CPU backend.
+
+The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
+(K then V). Token slot s lives at block s // block_size, offset s % block_size.
+
+Each step's flat batch is ordered decodes first (one query token each), then
+prefill chunks. Per layer:
+  1. every scheduled token's K and V are written to its slot (before any read, so
+     a request may read blocks another request writes in the same step);
+  2. the decodes attend together: their blocks are gathered into one padded
+     [B, L] context and masked past each sequence's length;
+  3. each prefill chunk attends causally to its earlier tokens (from the cache)
+     and to itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    query_start: int  # rows of the flat batch: [query_start, query_end)
+    query_end: int
+    num_computed_tokens: int  # context already in the cache before this chunk
+    block_ids: torch.Tensor  # the blocks covering the whole sequence so far
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decodes: int
+    decode_block_tables: Optional[torch.Tensor]  # [num_decodes, max_blocks] int64
+    decode_mask: Optional[torch.Tensor]  # [num_decodes, 1, 1, max_blocks * block_size] additive
+    prefills: list[PrefillChunk]
+
+
+class TorchPagedAttention:
+    """The per-step attention callable the model calls once per layer."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
+                 num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.kv_caches = kv_caches
+        self.meta = metadata
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor:
+        cache = self.kv_caches[layer_idx]
+        write_kv(cache, k, v, self.meta.slot_mapping)
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
+        nd = self.meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], cache)
+        for chunk in self.meta.prefills:
+            rows = slice(chunk.query_start, chunk.query_end)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], cache, chunk)
+        return out
+
+    def _decode(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        b = q.shape[0]
+        tables = self.meta.decode_block_tables
+        # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
+        k = cache[0][tables].flatten(1, 2).transpose(1, 2)
+        v = cache[1][tables].flatten(1, 2).transpose(1, 2)
+        qh = q.view(b, self.num_heads, 1, self.head_dim)
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=self.meta.decode_mask,
+                                             scale=self.scale, enable_gqa=self.group > 1)
+        return out.reshape(b, self.num_heads * self.head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+        n = q.shape[0]
+        ctx = chunk.num_computed_tokens
+        if ctx == 0:
+            mask, causal = None, True
+        else:
+            # The whole sequence so far from the cache (this chunk was just written).
+            seq_len = ctx + n
+            k = cache[0][chunk.block_ids].flatten(0, 1)[:seq_len]
+            v = cache[1][chunk.block_ids].flatten(0, 1)[:seq_len]
+            # Query j sits at position ctx + j and sees keys 0 .. ctx + j.
+            mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=ctx)
+            causal = False
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+            is_causal=causal, scale=self.scale, enable_gqa=self.group > 1)
+        return out.transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+
+
+def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store each token's K and V at its slot (reshape_and_cache)."""
+    cache[0].view(-1, k.shape[1], k.shape[2]).index_copy_(0, slot_mapping, k)
+    cache[1].view(-1, v.shape[1], v.shape[2]).index_copy_(0, slot_mapping, v)

@@ -1,0 +1,191 @@
+"""ModelRunner: turn a SchedulerOutput into one flat batch, run the model, sample.
+
+The batch has no padding between requests. Decodes (one query token) come first so
+attention can treat them as one padded group; prefill chunks follow. Logits are
+computed only for the last scheduled token of each request whose gap closes this
+step: a chunk that leaves part of its prompt unread samples nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import numpy as np
+import torch
+
+from streamserve.config import Config
+from streamserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from streamserve.models.loader import load_model
+from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
+from streamserve.worker.request_state import RequestState
+from streamserve.worker.sampler import Sampler
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.device = config.device.torch_device
+        self.dtype = config.model.torch_dtype
+        self.block_size = config.cache.block_size
+        self.model = load_model(config.model, self.device)
+        arch = self.model.arch
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.num_blocks = self._determine_num_blocks()
+        # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
+        shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(arch.num_layers)]
+        self.sampler = Sampler(self.device, config.model.seed)
+        self.requests: dict[str, RequestState] = {}
+        # Seeded generators outlive preemption, so a resumed request keeps its stream.
+        self.generators: dict[str, torch.Generator] = {}
+
+    # -- sizing ------------------------------------------------------------------
+
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.model.arch.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_gpu_blocks_override is not None:
+            num_blocks = cache.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            num_blocks = self._gpu_budget_bytes() // self.kv_bytes_per_block()
+        else:
+            num_blocks = cache.kv_cache_bytes() // self.kv_bytes_per_block()
+        max_len = self.config.model.max_model_len
+        if num_blocks * self.block_size < max_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks ({num_blocks * self.block_size} tokens), "
+                f"fewer than one sequence of max_model_len ({max_len}) tokens: give the cache more "
+                "memory (kv_cache_memory / gpu_memory_utilization) or lower max_model_len")
+        return num_blocks
+
+    def _gpu_budget_bytes(self) -> int:
+        """GPU memory left for KV after weights and a peak-activation allowance."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        used = total - free
+        tokens = self.config.scheduler.max_num_batched_tokens
+        arch = self.model.arch
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        # Activations of one layer at the full token budget, plus the logits, times two.
+        activations = 2 * tokens * elem * (4 * arch.hidden_size + 2 * arch.intermediate_size
+                                           + (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim)
+        activations += 2 * self.config.scheduler.max_num_seqs * arch.vocab_size * 4
+        return max(0, int(total * self.config.cache.gpu_memory_utilization) - used - activations)
+
+    # -- one step ----------------------------------------------------------------
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+        input_ids, positions, meta, logits_indices, samplers = self._prepare_inputs(so)
+        attention = TorchPagedAttention(self.kv_caches, meta, self.num_heads,
+                                        self.num_kv_heads, self.head_dim)
+        with torch.inference_mode():
+            hidden = self.model(input_ids, positions, attention)
+            if not samplers:
+                return ModelRunnerOutput([], [])
+            logits = self.model.compute_logits(hidden[logits_indices])
+            tokens, logprobs = self.sampler(logits, samplers)
+        for state, token in zip(samplers, tokens):
+            state.token_ids.append(token)
+        return ModelRunnerOutput([s.req_id for s in samplers], tokens, logprobs)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            self.generators.pop(req_id, None)
+        for req_id in so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            self.requests[new.req_id] = RequestState(new, self._generator(new.req_id, new.sampling_params.seed))
+        cached = so.scheduled_cached_reqs
+        for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
+                                                   cached.num_computed_tokens):
+            state = self.requests[req_id]
+            state.block_ids.extend(block_ids)
+            state.num_computed_tokens = num_computed
+
+    def _generator(self, req_id: str, seed: Optional[int]) -> Optional[torch.Generator]:
+        if seed is None:
+            return None
+        if req_id not in self.generators:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+            self.generators[req_id] = gen
+        return self.generators[req_id]
+
+    def _prepare_inputs(self, so: SchedulerOutput):
+        bs = self.block_size
+        decodes: list[RequestState] = []
+        prefills: list[tuple[RequestState, int]] = []
+        for req_id, n in so.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            if n == 1:
+                decodes.append(state)
+            else:
+                prefills.append((state, n))
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_indices: list[int] = []
+        samplers: list[RequestState] = []
+        seq_lens: list[int] = []
+        for i, state in enumerate(decodes):
+            p = state.num_computed_tokens
+            input_ids.append(state.token_ids[p])
+            positions.append(p)
+            slots.append(state.block_ids[p // bs] * bs + p % bs)
+            seq_lens.append(p + 1)
+            if p + 1 == len(state.token_ids):
+                logits_indices.append(i)
+                samplers.append(state)
+
+        chunks: list[PrefillChunk] = []
+        start = len(decodes)
+        ids_parts, pos_parts, slot_parts = [input_ids], [positions], [slots]
+        for state, n in prefills:
+            ctx = state.num_computed_tokens
+            pos = np.arange(ctx, ctx + n, dtype=np.int64)
+            table = np.asarray(state.block_ids[:-(-(ctx + n) // bs)], dtype=np.int64)
+            ids_parts.append(state.token_ids[ctx:ctx + n])
+            pos_parts.append(pos)
+            slot_parts.append(table[pos // bs] * bs + pos % bs)
+            chunks.append(PrefillChunk(start, start + n, ctx, torch.from_numpy(table).to(self.device)))
+            if ctx + n == len(state.token_ids):
+                logits_indices.append(start + n - 1)
+                samplers.append(state)
+            start += n
+
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(np.concatenate([np.asarray(s, dtype=np.int64) for s in slot_parts])),
+            num_decodes=len(decodes),
+            decode_block_tables=None, decode_mask=None, prefills=chunks)
+        if decodes:
+            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes, seq_lens)
+        return (self._tensor(np.concatenate([np.asarray(x, dtype=np.int64) for x in ids_parts])),
+                self._tensor(np.concatenate([np.asarray(x, dtype=np.int64) for x in pos_parts])),
+                meta, self._tensor(np.asarray(logits_indices, dtype=np.int64)), samplers)
+
+    def _decode_tables(self, decodes: list[RequestState], seq_lens: list[int]):
+        bs = self.block_size
+        max_blocks = -(-max(seq_lens) // bs)
+        tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)
+        for i, (state, n) in enumerate(zip(decodes, seq_lens)):
+            nb = -(-n // bs)
+            tables[i, :nb] = state.block_ids[:nb]
+        lens = torch.tensor(seq_lens, device=self.device)
+        visible = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~visible, float("-inf"))
+        return self._tensor(tables), mask.view(len(decodes), 1, 1, -1)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device)

@@ -1,0 +1,33 @@
+"""What the model runner keeps of each request between steps."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from streamserve.engine.scheduler_output import NewRequestData
+from streamserve.sampling_params import SamplingParams
+
+
+class RequestState:
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "params", "eos_token_id",
+                 "block_ids", "num_computed_tokens", "generator")
+
+    def __init__(self, new: NewRequestData, generator: Optional[torch.Generator]) -> None:
+        self.req_id = new.req_id
+        self.token_ids: list[int] = list(new.token_ids)  # prompt + output, grows as we sample
+        self.num_prompt_tokens = new.num_prompt_tokens
+        self.params: SamplingParams = new.sampling_params
+        self.eos_token_id = new.eos_token_id
+        self.block_ids: list[int] = list(new.block_ids)
+        self.num_computed_tokens = new.num_computed_tokens
+        self.generator = generator
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]

@@ -1,0 +1,146 @@
+"""The scheduler on its own: a fake runner samples token 7 for every request that catches up."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamserve.config import Config
+from streamserve.engine.request import Request, RequestStatus
+from streamserve.engine.scheduler import Scheduler
+from streamserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from streamserve.sampling_params import SamplingParams
+
+EOS = 2
+
+
+def make_scheduler(model_dir: str, num_blocks: int = 64, **kwargs) -> Scheduler:
+    kwargs.setdefault("enable_prefix_caching", False)
+    config = Config.from_kwargs(model=model_dir, dtype="float32", **kwargs)
+    return Scheduler(config, num_blocks)
+
+
+def make_request(rid: str, prompt_len: int, max_tokens: int, start: int = 10, **params) -> Request:
+    params.setdefault("ignore_eos", True)
+    return Request(rid, list(range(start, start + prompt_len)),
+                   SamplingParams(max_tokens=max_tokens, **params), EOS, max_model_len=512)
+
+
+def fake_run(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> ModelRunnerOutput:
+    """Sample `token` for each scheduled request whose gap closed this step."""
+    ids = [rid for rid in out.num_scheduled_tokens
+           if sched.requests[rid].num_computed_tokens == sched.requests[rid].num_tokens]
+    return ModelRunnerOutput(ids, [token] * len(ids))
+
+
+def run_step(sched: Scheduler, token: int = 7):
+    out = sched.schedule()
+    return out, sched.update_from_output(out, fake_run(sched, out, token))
+
+
+def test_the_documented_schedule(llama_dir):
+    sched = make_scheduler(llama_dir, max_num_batched_tokens=8)
+    for req in (make_request("A", 5, 3), make_request("B", 12, 2), make_request("C", 3, 4)):
+        sched.add_request(req)
+    steps, finished_at = [], {}
+    step = 0
+    while sched.has_unfinished_requests():
+        step += 1
+        out, outputs = run_step(sched)
+        steps.append(dict(out.num_scheduled_tokens))
+        for o in outputs:
+            if o.finish_reason:
+                finished_at[o.request_id] = step
+    assert steps == [{"A": 5, "B": 3}, {"A": 1, "B": 7}, {"A": 1, "B": 2, "C": 3},
+                     {"B": 1, "C": 1}, {"C": 1}, {"C": 1}]
+    assert finished_at == {"A": 3, "B": 4, "C": 6}
+    assert sched.kv_cache_manager.num_free_blocks == 64
+
+
+def test_max_num_seqs_caps_the_batch(llama_dir):
+    sched = make_scheduler(llama_dir, max_num_seqs=2)
+    for rid in "ABC":
+        sched.add_request(make_request(rid, 4, 2))
+    out, _ = run_step(sched)
+    assert list(out.num_scheduled_tokens) == ["A", "B"]
+
+
+def test_preemption_takes_the_newest_running_request(llama_dir):
+    # 4 blocks of 16 tokens; A and B each need 2 blocks once they pass 16 tokens.
+    sched = make_scheduler(llama_dir, num_blocks=4, block_size=16)
+    sched.add_request(make_request("A", 16, 40))
+    sched.add_request(make_request("B", 16, 40, start=100))
+    sched.add_request(make_request("C", 16, 40, start=200))
+    run_step(sched)  # A, B, C prefill: 3 blocks (each prompt is exactly one block)
+    assert sched.kv_cache_manager.num_free_blocks == 1
+    out, _ = run_step(sched)  # A takes the last block; B then needs one: C is preempted
+    assert out.preempted_req_ids == ["C"]
+    assert sched.requests["C"].status == RequestStatus.PREEMPTED
+    assert sched.waiting[0].request_id == "C" and sched.requests["C"].num_computed_tokens == 0
+    assert sched.num_preemptions == 1
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert sched.kv_cache_manager.num_free_blocks == 4
+
+
+def test_abort_frees_blocks_at_any_point(llama_dir):
+    sched = make_scheduler(llama_dir, max_num_batched_tokens=8)
+    sched.add_request(make_request("A", 20, 5))
+    sched.add_request(make_request("B", 4, 5))
+    run_step(sched)  # A mid-prefill
+    assert sched.abort_request("A")
+    assert sched.abort_request("B")  # B still waiting
+    assert not sched.abort_request("A")
+    assert sched.kv_cache_manager.num_free_blocks == 64
+    out = sched.schedule()
+    assert out.finished_req_ids == {"A", "B"} and out.total_num_scheduled_tokens == 0
+
+
+@pytest.mark.parametrize("params,tokens,num_emitted,reason,stop_reason", [
+    (dict(max_tokens=3), [7, 7, 7, 7], 3, "length", None),
+    (dict(max_tokens=9, ignore_eos=False), [7, EOS, 7], 2, "stop", None),
+    (dict(max_tokens=3, ignore_eos=True), [7, EOS, 7], 3, "length", None),
+    (dict(max_tokens=9, stop_token_ids=[5]), [7, 5, 7], 2, "stop", 5),
+    (dict(max_tokens=9, ignore_eos=False, min_tokens=3), [EOS, EOS, EOS, EOS], 3, "stop", None),
+    (dict(max_tokens=9, stop_token_ids=[5], min_tokens=2), [5, 5, 7], 2, "stop", 5),
+])
+def test_finish_conditions(llama_dir, params, tokens, num_emitted, reason, stop_reason):
+    sched = make_scheduler(llama_dir)
+    sched.add_request(make_request("A", 4, **params))
+    emitted = []
+    for token in tokens:
+        _, outputs = run_step(sched, token)
+        emitted.append(outputs[0])
+        if outputs[0].finish_reason:
+            break
+    assert len(emitted) == num_emitted
+    assert emitted[-1].finish_reason == reason and emitted[-1].stop_reason == stop_reason
+    assert all(o.finish_reason is None for o in emitted[:-1])
+    assert not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.num_free_blocks == 64
+
+
+def test_max_model_len_caps_output(llama_dir):
+    sched = make_scheduler(llama_dir, max_model_len=10)
+    sched.add_request(Request("A", [10] * 7, SamplingParams(max_tokens=100, ignore_eos=True),
+                              EOS, max_model_len=10))
+    n = 0
+    while sched.has_unfinished_requests():
+        _, outputs = run_step(sched)
+        n += len(outputs)
+    assert n == 3 and outputs[-1].finish_reason == "length"
+
+
+def test_prefix_cache_hit_skips_cached_tokens(llama_dir):
+    sched = make_scheduler(llama_dir, enable_prefix_caching=True, block_size=16)
+    shared = list(range(10, 10 + 40))  # 2 full blocks + 8 tokens
+    sched.add_request(Request("A", shared, SamplingParams(max_tokens=1), EOS, 512))
+    run_step(sched)
+    sched.add_request(Request("B", shared + [99, 98], SamplingParams(max_tokens=1), EOS, 512))
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"B": 42 - 32}
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 32
+    # A prompt that is exactly cached still computes its last token.
+    sched.add_request(Request("C", shared[:32], SamplingParams(max_tokens=1), EOS, 512))
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"C": 16}  # the last block is recomputed, not 0 tokens
+    assert sched.kv_cache_manager.num_free_blocks == 64

@@ -1,0 +1,95 @@
+"""Tiny random Llama-family models, saved as real Hugging Face directories.
+
+Each has config.json, safetensors weights and a byte-level BPE tokenizer with a
+ChatML chat template, so the whole loading path runs as it does for a real model.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "Once upon a time, there was a small model that wanted to speak.",
+    "def add(a, b):\n    return a + b\n",
+    "Streaming servers send tokens one at a time to many clients at once.",
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u4f60\u597d\u4e16\u754c \U0001f600 \U0001f680 emoji and CJK text.",
+    "user assistant system hello world what is the answer to this question",
+] * 20
+
+VOCAB_SIZE = 384
+
+
+def build_tokenizer(path: str) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - 8, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>",
+                                   unk_token=None, pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def _config(arch: str, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, initializer_range=0.15, eos_token_id=2, bos_token_id=None,
+                  pad_token_id=0, torch_dtype="float32")
+    common.update(overrides)
+    if arch == "llama":
+        # Tied embeddings and Llama-3 rope scaling.
+        return LlamaConfig(tie_word_embeddings=True, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}, **common)
+    if arch == "mistral":
+        return MistralConfig(tie_word_embeddings=False, sliding_window=None, **common)
+    if arch == "qwen2":
+        return Qwen2Config(tie_word_embeddings=False, use_sliding_window=False, **common)
+    if arch == "qwen3":
+        return Qwen3Config(tie_word_embeddings=True, head_dim=32, use_sliding_window=False, **common)
+    raise ValueError(arch)
+
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def build_model(path: str, arch: str, seed: int = 0, max_shard_size: Optional[str] = None,
+                **overrides) -> str:
+    """Write a tiny random `arch` model (and tokenizer) into `path`; return `path`."""
+    from transformers import AutoModelForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    torch.manual_seed(seed)
+    config = _config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":  # make the q/k/v biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    build_tokenizer(path)
+    return path
