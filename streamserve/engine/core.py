@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from streamserve.config import Config
-from streamserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request
+from streamserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request, validate_prompt
 from streamserve.engine.scheduler import Scheduler
 from streamserve.worker.model_runner import ModelRunner
 
@@ -24,16 +24,8 @@ class EngineCore:
         self.scheduler.add_request(Request.from_engine_core_request(request, self.config.model.max_model_len))
 
     def validate(self, request: EngineCoreRequest) -> None:
-        """Refuse what the engine cannot run, with the numbers in the message."""
-        ids = request.prompt_token_ids
-        max_len = self.config.model.max_model_len
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        if len(ids) >= max_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens, but max_model_len is {max_len}: "
-                             "there is no room to generate")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        validate_prompt(request.prompt_token_ids, request.sampling_params,
+                        self.config.model.max_model_len, self.vocab_size)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:

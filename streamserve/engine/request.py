@@ -62,6 +62,23 @@ class EngineCoreOutput(NamedTuple):
     num_cached_tokens: int
 
 
+def validate_prompt(prompt_token_ids: list[int], params: SamplingParams,
+                    max_model_len: int, vocab_size: int) -> None:
+    """Refuse what the engine cannot run, with the numbers in the message."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if n >= max_model_len:
+        raise ValueError(f"the prompt has {n} tokens, but max_model_len is {max_model_len}: "
+                         "there is no room to generate")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ID {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in params.stop_token_set if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
 class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id",
                  "arrival_time", "max_tokens", "all_token_ids", "output_token_ids",

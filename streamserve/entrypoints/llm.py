@@ -76,7 +76,7 @@ class LLM:
 
     def _add_request(self, text: Optional[str], ids: list[int], params: SamplingParams) -> str:
         request_id = str(next(self._counter))
-        self.input_processor.check_length(ids, params)
+        self.input_processor.validate(ids, params)
         child_ids = self.output_processor.add_request(request_id, text, ids, params)
         for request in self.input_processor.process(child_ids, ids, params):
             self.engine_core.add_request(request)

@@ -41,9 +41,15 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def update(self, new_token_ids: list[int], finished: bool = False) -> Optional[str]:
+    def update(self, new_token_ids: list[int], finish_reason: Optional[str] = None) -> Optional[str]:
         """Add tokens; return the stop string if one now matches (the text is then final).
-        With `finished`, bytes of an incomplete character are flushed as U+FFFD."""
+
+        Once finished, bytes of an incomplete character are flushed as U+FFFD. A
+        request the engine stopped (EOS or a stop token id) leaves that last
+        token out of the text, unless include_stop_str_in_output."""
+        finished = finish_reason is not None
+        if finish_reason == "stop" and not self.include_stop:
+            new_token_ids = new_token_ids[:-1]
         self.ids.extend(new_token_ids)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])

@@ -7,7 +7,7 @@ import time
 from typing import Any, Optional, Union
 
 from streamserve.config import Config
-from streamserve.engine.request import EngineCoreRequest
+from streamserve.engine.request import EngineCoreRequest, validate_prompt
 from streamserve.frontend.renderer import Renderer
 from streamserve.sampling_params import SamplingParams
 
@@ -40,23 +40,15 @@ class InputProcessor:
         ids = list(ids)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise TypeError("prompt token IDs must be integers")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ID {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def check_length(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if n >= self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, but max_model_len is "
-                             f"{self.max_model_len}: there is no room to generate")
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
     def process(self, child_ids: list[str], prompt_token_ids: list[int],
                 params: SamplingParams, arrival_time: Optional[float] = None) -> list[EngineCoreRequest]:
         """One engine request per sample; with a seed, sample k draws from seed + k."""
-        self.check_length(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         eos = self.renderer.eos_token_id
         requests = []

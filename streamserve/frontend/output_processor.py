@@ -93,11 +93,12 @@ class OutputProcessor:
             sample.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None and sample.logprobs is not None:
                 self._add_logprobs(sample, out)
-            stop = sample.detokenizer.update(out.new_token_ids, out.finish_reason is not None)
-            if stop is not None and out.finish_reason is None:
-                to_abort.append(out.request_id)
+            stop = sample.detokenizer.update(out.new_token_ids, out.finish_reason)
+            if stop is not None:  # a stop string wins over the engine's own reason
+                if out.finish_reason is None:
+                    to_abort.append(out.request_id)
                 sample.finish_reason, sample.stop_reason = "stop", stop
-            elif sample.finish_reason is None and out.finish_reason is not None:
+            elif out.finish_reason is not None:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             if sample.finish_reason is not None:
                 del self.child_to_sample[out.request_id]

@@ -81,7 +81,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     # Drop a token once the mass before it already reaches top_p (the first always stays).
     mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= ps
+    drop |= (mass_before >= ps) & (ps < 1.0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

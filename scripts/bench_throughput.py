@@ -1,0 +1,146 @@
+"""Offline throughput: streamserve's LLM.generate against transformers' generate.
+
+One workload (random-token prompts, fixed output lengths, ignore_eos, greedy) runs
+through both engines on the same model in the same process, and the script prints
+output tokens/s for each and the ratio; then a single request decoding 128 tokens.
+
+    python scripts/bench_throughput.py                      # random SmolLM2-135M-shaped Llama, bf16
+    python scripts/bench_throughput.py --model PATH --dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+
+SMOLLM2_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, intermediate_size=1536, vocab_size=49152,
+                     max_position_embeddings=2048, rope_theta=100000.0, rms_norm_eps=1e-5,
+                     tie_word_embeddings=True)
+
+
+def random_smollm2_shaped(path: str) -> str:
+    """A random Llama with SmolLM2-135M's shape (bf16) and a word-level tokenizer of its
+    vocabulary size, written once to `path`."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**SMOLLM2_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    vocab = {f"w{i}": i for i in range(SMOLLM2_SHAPE["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w2", pad_token="w0").save_pretrained(path)
+    return path
+
+
+def make_workload(n: int, vocab: int, seed: int, min_prompt: int, max_prompt: int,
+                  min_out: int, max_out: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, vocab) for _ in range(rng.randint(min_prompt, max_prompt))],
+             rng.randint(min_out, max_out)) for _ in range(n)]
+
+
+def run_streamserve(llm, workload) -> tuple[float, int]:
+    from streamserve import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p, _ in workload]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in workload]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert produced == sum(m for _, m in workload)
+    return elapsed, produced
+
+
+def run_transformers(model, workload, batch_size: int) -> tuple[float, int]:
+    """Static batches in arrival order: left-padded prompts, each batch runs to its
+    longest output; only the tokens each request asked for are counted."""
+    start = time.perf_counter()
+    produced = 0
+    for i in range(0, len(workload), batch_size):
+        batch = workload[i:i + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (p, _) in enumerate(batch):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        max_new = max(m for _, m in batch)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new,
+                                 min_new_tokens=max_new, do_sample=False, pad_token_id=0)
+        assert out.shape[1] == width + max_new
+        produced += sum(m for _, m in batch)
+    return time.perf_counter() - start, produced
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: random SmolLM2-shaped Llama)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
+    parser.add_argument("--hf-batch-size", type=int, default=16)
+    parser.add_argument("--single-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from streamserve import LLM
+
+    model_path = args.model or random_smollm2_shaped(
+        os.path.join(os.path.expanduser("~/.cache/streamserve"), "bench-smollm2-shape"))
+    llm = LLM(model_path, dtype=args.dtype)
+    vocab = llm.engine_core.vocab_size
+    workload = make_workload(args.num_requests, vocab, args.seed, *args.prompt_len, *args.output_len)
+    single = make_workload(1, vocab, args.seed + 1, 32, 32, args.single_tokens, args.single_tokens)
+    run_streamserve(llm, make_workload(4, vocab, 99, 16, 64, 8, 8))  # warm-up
+
+    results = {"model": model_path, "dtype": args.dtype, "threads": torch.get_num_threads()}
+    t, n = run_streamserve(llm, workload)
+    results["streamserve_tok_s"] = n / t
+    t1, n1 = run_streamserve(llm, single)
+    results["streamserve_single_tok_s"] = n1 / t1
+    print(f"streamserve   workload: {n} tokens in {t:.1f} s = {n / t:.1f} tok/s; "
+          f"single request: {n1 / t1:.1f} tok/s", flush=True)
+    del llm
+
+    if not args.skip_transformers:
+        dtype = getattr(torch, args.dtype)
+        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+        hf.generation_config.eos_token_id = None
+        run_transformers(hf, make_workload(2, vocab, 99, 16, 64, 8, 8), 2)  # warm-up
+        t1, n1 = run_transformers(hf, single, 1)
+        results["transformers_single_tok_s"] = n1 / t1
+        t, n = run_transformers(hf, workload, args.hf_batch_size)
+        results["transformers_tok_s"] = n / t
+        print(f"transformers  workload: {n} tokens in {t:.1f} s = {n / t:.1f} tok/s; "
+              f"single request: {n1 / t1:.1f} tok/s")
+        results["ratio"] = results["streamserve_tok_s"] / results["transformers_tok_s"]
+        results["single_ratio"] = results["streamserve_single_tok_s"] / results["transformers_single_tok_s"]
+        print(f"ratio (streamserve / transformers): workload {results['ratio']:.2f}x, "
+              f"single request {results['single_ratio']:.2f}x")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""The Sampler on hand-made logits: greedy, top-k / top-p / min-p, temperature,
+per-request seeds, penalties, logprobs and min_tokens."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional, Sequence
+
+import pytest
+import torch
+
+from streamserve.engine.scheduler_output import NewRequestData
+from streamserve.sampling_params import SamplingParams
+from streamserve.worker.request_state import RequestState
+from streamserve.worker.sampler import Sampler, apply_penalties
+
+CPU = torch.device("cpu")
+
+
+def make_row(params: SamplingParams, prompt: Sequence[int] = (0,), output: Sequence[int] = (),
+             eos: Optional[int] = None, req_id: str = "r") -> RequestState:
+    """A RequestState as the model runner builds it (a seeded request owns a generator)."""
+    new = NewRequestData(req_id, list(prompt) + list(output), len(prompt), params, eos,
+                         block_ids=[], num_computed_tokens=0)
+    generator = None
+    if params.seed is not None:
+        generator = torch.Generator(device=CPU)
+        generator.manual_seed(params.seed)
+    return RequestState(new, generator)
+
+
+def frequencies(tokens: list[int], vocab: int) -> torch.Tensor:
+    c = Counter(tokens)
+    return torch.tensor([c[i] / len(tokens) for i in range(vocab)])
+
+
+# -- greedy -------------------------------------------------------------------
+
+
+def test_greedy_is_argmax():
+    torch.manual_seed(0)
+    logits = torch.randn(8, 50)
+    rows = [make_row(SamplingParams(temperature=0.0), req_id=str(i)) for i in range(8)]
+    tokens, logprobs = Sampler(CPU, seed=0)(logits, rows)
+    assert tokens == logits.argmax(-1).tolist()
+    assert logprobs is None  # nobody asked for logprobs
+
+
+def test_greedy_rows_stay_argmax_in_a_mixed_batch():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 40)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.5),
+              SamplingParams(temperature=0.0, top_k=3), SamplingParams(temperature=2.0, seed=3),
+              SamplingParams(temperature=0.0, seed=7), SamplingParams(temperature=1.0, top_p=0.5)]
+    rows = [make_row(p, req_id=str(i)) for i, p in enumerate(params)]
+    argmax = logits.argmax(-1).tolist()
+    sampler = Sampler(CPU, seed=0)
+    for _ in range(20):
+        tokens, _ = sampler(logits, rows)
+        for i in (0, 2, 4):
+            assert tokens[i] == argmax[i]
+
+
+def test_half_precision_logits_are_accepted():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 0.5]], dtype=torch.bfloat16)
+    tokens, _ = Sampler(CPU, seed=0)(logits, [make_row(SamplingParams(temperature=0.0))])
+    assert tokens == [1]
+
+
+# -- top-k, top-p, min-p ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=50.0, top_k=1),
+    SamplingParams(temperature=50.0, top_p=1e-6),
+    SamplingParams(temperature=50.0, top_p=1e-6, top_k=10),
+], ids=["top_k=1", "tiny-top_p", "tiny-top_p+top_k"])
+def test_top_k_one_and_tiny_top_p_give_the_argmax_even_when_hot(params):
+    torch.manual_seed(2)
+    logits = torch.randn(400, 64)
+    rows = [make_row(params, req_id=str(i)) for i in range(400)]
+    tokens, _ = Sampler(CPU, seed=0)(logits, rows)
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_top_k_samples_only_and_all_of_the_k_best():
+    torch.manual_seed(3)
+    row_logits = torch.randn(100)
+    n = 3000
+    logits = row_logits.expand(n, -1).clone()
+    rows = [make_row(SamplingParams(temperature=5.0, top_k=5), req_id=str(i)) for i in range(n)]
+    tokens, _ = Sampler(CPU, seed=0)(logits, rows)
+    top5 = set(row_logits.topk(5).indices.tolist())
+    assert set(tokens) == top5
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    n = 6000
+    logits = probs.log().expand(n, -1).clone()
+    half = n // 2
+    # Rows 0..half-1: top_p=0.7 -> {0, 1} (0.5 < 0.7, 0.8 >= 0.7).
+    # Rows half..n-1: top_p=0.85 -> {0, 1, 2} (0.8 < 0.85, 0.95 >= 0.85).
+    rows = ([make_row(SamplingParams(top_p=0.7), req_id=f"a{i}") for i in range(half)]
+            + [make_row(SamplingParams(top_p=0.85), req_id=f"b{i}") for i in range(half)])
+    tokens, _ = Sampler(CPU, seed=0)(logits, rows)
+    first, second = tokens[:half], tokens[half:]
+    assert set(first) == {0, 1}
+    assert set(second) == {0, 1, 2}
+    # The kept tokens keep their relative weights (renormalised).
+    f = frequencies(first, 4)
+    assert abs(f[0].item() - 0.5 / 0.8) < 0.04
+    f = frequencies(second, 4)
+    assert abs(f[2].item() - 0.15 / 0.95) < 0.03
+
+
+def test_min_p_never_samples_tokens_below_min_p_times_max():
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    n = 5000
+    logits = probs.log().expand(n, -1).clone()
+    # threshold = 0.3 * 0.4 = 0.12: tokens 3 (0.10) and 4 (0.05) are out.
+    rows = [make_row(SamplingParams(temperature=1.0, min_p=0.3), req_id=str(i)) for i in range(n)]
+    tokens, _ = Sampler(CPU, seed=0)(logits, rows)
+    assert set(tokens) == {0, 1, 2}
+    f = frequencies(tokens, 5)
+    expected = torch.tensor([0.4, 0.3, 0.15, 0.0, 0.0]) / 0.85
+    assert torch.allclose(f, expected, atol=0.04)
+
+
+def test_min_p_applies_per_row():
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    n = 2000
+    logits = probs.log().expand(2 * n, -1).clone()
+    rows = ([make_row(SamplingParams(min_p=0.3), req_id=f"a{i}") for i in range(n)]
+            + [make_row(SamplingParams(min_p=0.0), req_id=f"b{i}") for i in range(n)])
+    tokens, _ = Sampler(CPU, seed=0)(logits, rows)
+    assert set(tokens[:n]) == {0, 1, 2}
+    assert set(tokens[n:]) == {0, 1, 2, 3, 4}
+
+
+def test_top_p_one_row_keeps_its_whole_distribution_next_to_top_p_rows():
+    """A row with top_p=1.0 (off) must not lose tokens because another row in the
+    batch asked for top-k/top-p. The descending-cumsum test `mass_before >= top_p`
+    drops the tail of a top_p=1.0 row once float32 rounding carries its cumulative
+    mass to 1.0 before the end of the vocabulary."""
+    from streamserve.worker.sampler import _filtered_probs
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 384) * 3
+    rows = [make_row(SamplingParams(), req_id=str(i)) for i in range(3)]
+    rows.append(make_row(SamplingParams(top_k=5, top_p=0.5), req_id="3"))
+    probs = _filtered_probs(logits, rows)
+    alone = _filtered_probs(logits[:3], rows[:3])
+    assert torch.equal(alone, torch.softmax(logits[:3], -1))
+    assert int((probs[:3] == 0).sum()) == 0, "top_p=1.0 rows lost tokens to float rounding"
+
+
+# -- temperature ------------------------------------------------------------------
+
+
+def test_temperature_sampling_matches_softmax():
+    row_logits = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
+    n = 16000
+    logits = row_logits.expand(2 * n, -1).clone()
+    rows = ([make_row(SamplingParams(temperature=0.5), req_id=f"a{i}") for i in range(n)]
+            + [make_row(SamplingParams(temperature=2.0), req_id=f"b{i}") for i in range(n)])
+    tokens, _ = Sampler(CPU, seed=1234)(logits, rows)
+    for part, temp in ((tokens[:n], 0.5), (tokens[n:], 2.0)):
+        expected = torch.softmax(row_logits / temp, -1)
+        observed = frequencies(part, 6)
+        assert torch.allclose(observed, expected, atol=0.02), (temp, observed, expected)
+    # The hotter half is visibly flatter.
+    assert Counter(tokens[:n])[5] > Counter(tokens[n:])[5] + 0.2 * n
+
+
+def test_unseeded_rows_follow_the_sampler_seed():
+    torch.manual_seed(5)
+    logits = torch.randn(64, 200)
+    rows = [make_row(SamplingParams(temperature=1.0), req_id=str(i)) for i in range(64)]
+    a, _ = Sampler(CPU, seed=11)(logits, rows)
+    b, _ = Sampler(CPU, seed=11)(logits, rows)
+    c, _ = Sampler(CPU, seed=12)(logits, rows)
+    assert a == b
+    assert a != c
+
+
+# -- per-request seeds ----------------------------------------------------------------
+
+TARGET_LOGITS = torch.linspace(-1.0, 1.0, 300)[torch.randperm(300, generator=torch.Generator().manual_seed(0))]
+
+
+def _target_tokens(seed: int, layout: str, steps: int = 12, sampler_seed: int = 0) -> list[int]:
+    """The target request's tokens over `steps` calls, in a batch of the given layout."""
+    target = make_row(SamplingParams(temperature=1.0, seed=seed), req_id="target")
+    g = torch.Generator().manual_seed(99)
+    others = {
+        "x": lambda i: make_row(SamplingParams(temperature=1.0), req_id=f"x{i}"),
+        "k": lambda i: make_row(SamplingParams(temperature=0.7, top_k=3, seed=99), req_id=f"k{i}"),
+        "p": lambda i: make_row(SamplingParams(temperature=1.3, top_p=0.5, min_p=0.1), req_id=f"p{i}"),
+        "g": lambda i: make_row(SamplingParams(temperature=0.0), req_id=f"g{i}"),
+        "s": lambda i: make_row(SamplingParams(temperature=1.0, seed=seed + 1), req_id=f"s{i}"),
+    }
+    rows = [target if ch == "T" else others[ch](i) for i, ch in enumerate(layout)]
+    sampler = Sampler(CPU, seed=sampler_seed)
+    result = []
+    for _ in range(steps):
+        logits = torch.randn(len(rows), 300, generator=g) * 2
+        logits[layout.index("T")] = TARGET_LOGITS
+        tokens, _ = sampler(logits, rows)
+        result.append(tokens[layout.index("T")])
+    return result
+
+
+def test_seeded_request_is_independent_of_its_batch():
+    alone = _target_tokens(1234, "T")
+    assert len(set(alone)) > 6  # it really samples
+    for layout, sampler_seed in (("xTk", 1), ("kpxT", 2), ("Tgsx", 3), ("pxxxxxxxxxT", 4), ("sT", 5)):
+        assert _target_tokens(1234, layout, sampler_seed=sampler_seed) == alone, layout
+
+
+def test_different_seeds_give_different_tokens():
+    assert _target_tokens(1234, "xT") != _target_tokens(1235, "xT")
+    assert _target_tokens(1234, "T") != _target_tokens(99, "T")
+
+
+def test_seeded_rows_with_the_same_seed_draw_the_same_tokens_in_one_batch():
+    torch.manual_seed(6)
+    row_logits = torch.randn(300)
+    logits = row_logits.expand(5, -1).clone()
+    params = SamplingParams(temperature=1.0, seed=42)
+    rows = [make_row(params, req_id=str(i)) for i in range(4)]
+    rows.insert(2, make_row(SamplingParams(temperature=1.0), req_id="x"))
+    sampler = Sampler(CPU, seed=0)
+    for _ in range(5):
+        tokens, _ = sampler(logits, rows)
+        seeded = tokens[:2] + tokens[3:]
+        assert len(set(seeded)) == 1
+
+
+# -- penalties --------------------------------------------------------------------------
+
+
+def test_apply_penalties_matches_hand_computation():
+    raw = torch.tensor([2.0, -1.0, 0.5, -0.5, 1.5, 0.0, 3.0, -2.0])
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2)
+    row = make_row(params, prompt=[0, 1], output=[2, 2, 3, 0])
+    plain = make_row(SamplingParams(), prompt=[0, 1], output=[2, 2, 3, 0])
+    out = apply_penalties(torch.stack([raw, raw]), [row, plain])
+    expected = torch.tensor([
+        2.0 / 1.5 - 0.3 * 1 - 0.2,   # prompt + output (1x): divided, freq 1, presence
+        -1.0 * 1.5,                  # prompt only, negative: multiplied; no freq/presence
+        0.5 / 1.5 - 0.3 * 2 - 0.2,   # output 2x
+        -0.5 * 1.5 - 0.3 * 1 - 0.2,  # output 1x, negative
+        1.5, 0.0, 3.0, -2.0,         # never seen: untouched
+    ])
+    assert torch.allclose(out[0], expected, atol=1e-6)
+    assert torch.equal(out[1], raw)  # a row without penalties is left alone
+
+
+@pytest.mark.parametrize("params, prompt, output, expected", [
+    # repetition: positive seen logit divided (2.0 -> 1.0 < 1.5)
+    (SamplingParams(temperature=0, repetition_penalty=2.0), [0], [], 1),
+    # ...also when the token appeared only in the output
+    (SamplingParams(temperature=0, repetition_penalty=2.0), [5], [0], 1),
+    # frequency counts output tokens: 2.0 - 3 * 0.2 = 1.4 < 1.5
+    (SamplingParams(temperature=0, frequency_penalty=0.2), [5], [0, 0, 0], 1),
+    # one occurrence is not enough: 2.0 - 0.2 = 1.8 > 1.5
+    (SamplingParams(temperature=0, frequency_penalty=0.2), [5], [0], 0),
+    # frequency ignores the prompt
+    (SamplingParams(temperature=0, frequency_penalty=2.0), [0, 0, 0, 0], [], 0),
+    # presence: once, whatever the count: 2.0 - 0.6 = 1.4 < 1.5
+    (SamplingParams(temperature=0, presence_penalty=0.6), [5], [0], 1),
+    (SamplingParams(temperature=0, presence_penalty=0.4), [5], [0, 0, 0, 0, 0], 0),
+    # presence ignores the prompt
+    (SamplingParams(temperature=0, presence_penalty=2.0), [0], [], 0),
+    # negative presence penalty pulls a seen token up: 1.5 + 1.0 > 2.0
+    (SamplingParams(temperature=0, presence_penalty=-1.0), [5], [1], 1),
+], ids=["rep-prompt", "rep-output", "freq-3x", "freq-1x", "freq-prompt", "pres-1x", "pres-5x",
+        "pres-prompt", "pres-negative"])
+def test_penalties_change_the_greedy_choice(params, prompt, output, expected):
+    logits = torch.tensor([[2.0, 1.5, -3.0, -3.0, -3.0, -3.0]])
+    tokens, _ = Sampler(CPU, seed=0)(logits, [make_row(params, prompt=prompt, output=output)])
+    assert tokens == [expected]
+
+
+def test_repetition_penalty_multiplies_negative_logits():
+    logits = torch.tensor([[-1.0, -1.2, -5.0, -5.0]])
+    params = SamplingParams(temperature=0, repetition_penalty=1.5)  # -1.0 -> -1.5 < -1.2
+    tokens, _ = Sampler(CPU, seed=0)(logits, [make_row(params, prompt=[0])])
+    assert tokens == [1]
+    # Unseen, token 0 stays the argmax.
+    tokens, _ = Sampler(CPU, seed=0)(logits, [make_row(params, prompt=[3])])
+    assert tokens == [0]
+
+
+# -- logprobs -----------------------------------------------------------------------------
+
+
+def test_logprobs_are_raw_log_softmax_with_ranks_and_sorted_top_n():
+    torch.manual_seed(7)
+    vocab = 50
+    logits = torch.randn(6, vocab) * 2
+    raw = torch.log_softmax(logits, -1)
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0.7, logprobs=5, seed=1),
+        SamplingParams(temperature=0),  # no logprobs asked
+        SamplingParams(temperature=1.5, logprobs=0, seed=2),
+        SamplingParams(temperature=0, logprobs=20, repetition_penalty=2.0, frequency_penalty=1.0),
+        SamplingParams(temperature=2.0, logprobs=1, min_tokens=4),
+    ]
+    argmax = logits.argmax(-1).tolist()
+    rows = [make_row(p, prompt=[argmax[i]], output=[argmax[i]] if i == 4 else [], eos=argmax[5],
+                     req_id=str(i)) for i, p in enumerate(params)]
+    tokens, logprobs = Sampler(CPU, seed=0)(logits, rows)
+    assert logprobs is not None and len(logprobs) == 6
+    assert logprobs[2] is None
+    for i, p in enumerate(params):
+        if p.logprobs is None:
+            continue
+        lp = logprobs[i]
+        tok = tokens[i]
+        assert lp.sampled_logprob == pytest.approx(raw[i, tok].item(), abs=1e-5)
+        assert lp.sampled_rank == 1 + int((raw[i] > raw[i, tok]).sum())
+        n = p.logprobs
+        assert len(lp.top_token_ids) == n and len(lp.top_logprobs) == n
+        order = raw[i].argsort(descending=True)[:n].tolist()
+        assert lp.top_token_ids == order
+        assert lp.top_logprobs == pytest.approx(raw[i, order].tolist(), abs=1e-5)
+        assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+    assert logprobs[0].sampled_rank == 1
+    assert logprobs[3].top_token_ids == [] and logprobs[3].top_logprobs == []
+    # Row 4: penalties moved the choice off the raw argmax; logprobs still describe raw logits.
+    assert tokens[4] != argmax[4]
+    assert logprobs[4].sampled_rank > 1
+    # Row 5: EOS (its raw argmax) was suppressed by min_tokens, yet it is still ranked first.
+    assert tokens[5] != argmax[5]
+    assert logprobs[5].top_token_ids == [argmax[5]]
+    assert logprobs[5].sampled_rank > 1
+
+
+def test_logprobs_ignore_temperature():
+    logits = torch.tensor([[1.0, 2.0, 0.5, -1.0]])
+    raw = torch.log_softmax(logits, -1)
+    for temp in (0.3, 3.0):
+        params = SamplingParams(temperature=temp, top_k=1, logprobs=2)
+        tokens, logprobs = Sampler(CPU, seed=0)(logits, [make_row(params)])
+        assert tokens == [1]
+        assert logprobs[0].sampled_logprob == pytest.approx(raw[0, 1].item(), abs=1e-6)
+        assert logprobs[0].top_logprobs == pytest.approx([raw[0, 1].item(), raw[0, 0].item()], abs=1e-6)
+
+
+# -- min_tokens -------------------------------------------------------------------------------
+
+
+def test_min_tokens_suppresses_eos_and_stop_token_ids_until_reached():
+    eos, stop = 5, 6
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0, 0.0, 10.0, 9.0, 1.0]])
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[stop])
+    for n_out, expected in ((0, 7), (1, 7), (2, 7), (3, eos), (5, eos)):
+        row = make_row(params, prompt=[1, 2], output=[0] * n_out, eos=eos)
+        tokens, _ = Sampler(CPU, seed=0)(logits, [row])
+        assert tokens == [expected], n_out
+    # Without EOS known, the stop token is still suppressed, then allowed.
+    row = make_row(params, prompt=[1], output=[], eos=None)
+    assert Sampler(CPU, seed=0)(logits, [row])[0] == [eos]
+    row = make_row(SamplingParams(temperature=0, min_tokens=3), prompt=[1], output=[0], eos=None)
+    assert Sampler(CPU, seed=0)(logits, [row])[0] == [eos]
+
+
+def test_min_tokens_never_samples_stops_and_leaves_other_rows_alone():
+    eos, stop = 5, 6
+    logits = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 3.0, 3.0, 0.0]).expand(2000, -1).clone()
+    params = SamplingParams(temperature=1.0, min_tokens=2, stop_token_ids=[stop])
+    rows = [make_row(params, output=[1], eos=eos, req_id=f"a{i}") for i in range(1000)]
+    rows += [make_row(SamplingParams(temperature=1.0, stop_token_ids=[stop]), output=[1], eos=eos,
+                      req_id=f"b{i}") for i in range(1000)]
+    tokens, _ = Sampler(CPU, seed=0)(logits, rows)
+    assert not {eos, stop} & set(tokens[:1000])
+    assert set(tokens[:1000]) == {0, 1, 2, 3, 4, 7}
+    assert {eos, stop} <= set(tokens[1000:])
+
