@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +23,36 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(dtype)
+        if x.dtype == torch.float32:
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        else:  # normalise in float32, scale in the model dtype (as Hugging Face does)
+            out = self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+class Linear(nn.Module):
+    """A linear layer that may also keep a low-precision copy of its weight.
+
+    On a CPU without fast bfloat16 GEMMs, a bfloat16 checkpoint runs in float32,
+    but steps of a few tokens are bound by reading the weights, not by compute:
+    for those, the half-size bfloat16 copy is faster (`ForwardContext.low_precision`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.low_precision_weight: Optional[torch.Tensor] = None
+
+    def keep_low_precision_copy(self, dtype: torch.dtype) -> None:
+        self.low_precision_weight = self.weight.detach().to(dtype)
+
+    def forward(self, x: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
+        w = self.low_precision_weight
+        if low_precision and w is not None:
+            out = F.linear(x.to(w.dtype), w).to(x.dtype)
+            return out if self.bias is None else out + self.bias
+        return F.linear(x, self.weight, self.bias)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -80,17 +106,28 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(self.max_position, dtype=torch.int64).float()
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        # [max_position, 2, head_dim]: cos then sin, computed in float32 then cast (as HF does).
-        self.cos_sin_cache = torch.stack((emb.cos(), emb.sin()), dim=1).to(device=device, dtype=dtype)
+        # rotate_half(x) * sin == roll(x, D/2) * sin_signed, with the first half of sin negated.
+        sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        # [max_position, 2, head_dim], computed in float32 then cast (as Hugging Face does).
+        self.cos_sin_cache = torch.stack((emb.cos(), sin_signed), dim=1).to(device=device, dtype=dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token cos and signed sin, [T, 1, D] each: computed once per step."""
         cos_sin = self.cos_sin_cache[positions]
-        cos, sin = cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] -> x * cos + rotate_half(x) * sin."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+@dataclass
+class ForwardContext:
+    """What one step's forward pass needs besides the tokens, passed to every layer
+    (no module state outlives the step)."""
+
+    attention: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    cos: torch.Tensor
+    sin: torch.Tensor
+    low_precision: bool = False

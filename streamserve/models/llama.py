@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from streamserve.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from streamserve.models.layers import (ForwardContext, Linear, RMSNorm, RotaryEmbedding, apply_rotary,
+                                       silu_and_mul)
 
 # attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq * D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -69,59 +69,58 @@ class LlamaArch:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, arch: LlamaArch, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: LlamaArch, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.rotary = rotary
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attention: AttentionFn) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x, ctx.low_precision)
+        heads = self.num_heads + self.num_kv_heads
+        # q and k side by side as [T, Hq + Hkv, D]: normed and rotated in one go.
+        qk = qkv[:, :self.q_size + self.kv_size].view(-1, heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = attention(self.layer_idx, q, k, v)
-        return F.linear(out, self.o_proj.weight)
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), 1)
+        qk = apply_rotary(qk, ctx.cos, ctx.sin)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        out = ctx.attention(self.layer_idx, q, k, v)
+        return self.o_proj(out, ctx.low_precision)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_and_mul(F.linear(x, self.gate_up_proj.weight)), self.down_proj.weight)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, ctx.low_precision)), ctx.low_precision)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: LlamaArch, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, layer_idx, rotary)
+        self.self_attn = LlamaAttention(arch, layer_idx)
         self.mlp = LlamaMLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: Optional[torch.Tensor], attention: AttentionFn):
+    def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, attention)
+        hidden = self.self_attn(hidden, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, ctx), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -132,30 +131,38 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
         self.arch = arch
-        rotary = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope_theta, arch.rope_scaling)
-        self.rotary = rotary
+        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope_theta, arch.rope_scaling)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i, rotary) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else \
-            nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size)
+        self.tie_weights()
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def tie_weights(self) -> None:
+        """Tied: the head is a Linear sharing the embedding's weight (re-tie after moves)."""
+        if self.arch.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attention: AttentionFn) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
+                low_precision: bool = False) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
+        cos, sin = self.rotary.cos_sin(positions)
+        ctx = ForwardContext(attention, cos, sin, low_precision)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, attention)
+            hidden, residual = layer(hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight)
+    def compute_logits(self, hidden: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
+        return self.lm_head(hidden, low_precision)
+
+    def keep_low_precision_copies(self, dtype: torch.dtype) -> None:
+        """Keep `dtype` copies of every linear weight for steps of a few tokens."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.keep_low_precision_copy(dtype)
 
     # -- weights ---------------------------------------------------------------
 
@@ -173,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue  # tied: the embedding serves as the head
             target, offset_rows = name, None
             for piece, (fused, shard) in self.STACKED.items():

@@ -34,11 +34,13 @@ def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> LlamaForCausalLM:
-    """Build the model on `device` in the configured dtype and fill in its weights."""
+def load_model(model_config: ModelConfig, device: torch.device,
+               dtype: torch.dtype) -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype` and fill in its weights."""
     with torch.device("meta"):
         model = build_model(model_config.hf_config)
-    model = model.to_empty(device=device).to(model_config.torch_dtype)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()
     model.load_weights(iterate_safetensors(model_config.model))
-    model.rotary.build_cache(device, model_config.torch_dtype)
+    model.rotary.build_cache(device, dtype)
     return model.eval().requires_grad_(False)

@@ -23,14 +23,40 @@ from streamserve.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
+# Steps of at most this many tokens read the low-precision weight copies (see choose_dtypes).
+LOW_PRECISION_MAX_TOKENS = 4
+
+
+def choose_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, Optional[torch.dtype]]:
+    """(compute dtype, low-precision weight dtype or None).
+
+    A CPU without native bfloat16/float16 GEMMs (no AVX512-BF16 or AMX; oneDNN says
+    so) emulates them several times slower than float32 once a step has more than a
+    few tokens. There the model computes in float32 (the checkpoint's values are
+    exact in float32), and keeps half-size copies of its weights for the small
+    steps, which are bound by memory bandwidth rather than arithmetic.
+    """
+    if device.type != "cpu" or dtype == torch.float32:
+        return dtype, None
+    fast = (torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16
+            else torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return (dtype, None) if fast else (torch.float32, dtype)
+
+
 
 class ModelRunner:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.device = config.device.torch_device
-        self.dtype = config.model.torch_dtype
+        self.dtype, low_precision = choose_dtypes(config.model.torch_dtype, self.device)
         self.block_size = config.cache.block_size
-        self.model = load_model(config.model, self.device)
+        self.model = load_model(config.model, self.device, self.dtype)
+        self.use_low_precision = low_precision is not None
+        if low_precision is not None:
+            logger.info("%s GEMMs are slow on this CPU: computing in float32, with %s weight copies "
+                        "for steps of at most %d tokens", low_precision, low_precision,
+                        LOW_PRECISION_MAX_TOKENS)
+            self.model.keep_low_precision_copies(low_precision)
         arch = self.model.arch
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.num_blocks = self._determine_num_blocks()
@@ -87,11 +113,12 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices, samplers = self._prepare_inputs(so)
         attention = TorchPagedAttention(self.kv_caches, meta, self.num_heads,
                                         self.num_kv_heads, self.head_dim)
+        low_precision = self.use_low_precision and len(input_ids) <= LOW_PRECISION_MAX_TOKENS
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, attention)
+            hidden = self.model(input_ids, positions, attention, low_precision)
             if not samplers:
                 return ModelRunnerOutput([], [])
-            logits = self.model.compute_logits(hidden[logits_indices])
+            logits = self.model.compute_logits(hidden[logits_indices], low_precision)
             tokens, logprobs = self.sampler(logits, samplers)
         for state, token in zip(samplers, tokens):
             state.token_ids.append(token)
