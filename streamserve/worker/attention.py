@@ -35,7 +35,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64
     num_decodes: int
     decode_block_tables: Optional[torch.Tensor]  # [num_decodes, max_blocks] int64
-    decode_mask: Optional[torch.Tensor]  # [num_decodes, 1, 1, max_blocks * block_size] additive
+    # [num_decodes, 1, 1, max_blocks * block_size] additive; None when no row needs masking
+    decode_mask: Optional[torch.Tensor]
     prefills: list[PrefillChunk]
 
 
@@ -54,22 +55,25 @@ class TorchPagedAttention:
                  v: torch.Tensor) -> torch.Tensor:
         cache = self.kv_caches[layer_idx]
         write_kv(cache, k, v, self.meta.slot_mapping)
+        nd, prefills = self.meta.num_decodes, self.meta.prefills
+        if not prefills:  # the common pure-decode step: no output buffer to fill
+            return self._decode(q, cache)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
-        nd = self.meta.num_decodes
         if nd:
             out[:nd] = self._decode(q[:nd], cache)
-        for chunk in self.meta.prefills:
+        for chunk in prefills:
             rows = slice(chunk.query_start, chunk.query_end)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], cache, chunk)
         return out
 
     def _decode(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         b = q.shape[0]
-        tables = self.meta.decode_block_tables
-        # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
-        k = cache[0][tables].flatten(1, 2).transpose(1, 2)
-        v = cache[1][tables].flatten(1, 2).transpose(1, 2)
-        qh = q.view(b, self.num_heads, 1, self.head_dim)
+        tables = self.meta.decode_block_tables  # [B, nb], flattened for index_select
+        # [B * nb, bs, Hkv, D] -> [B, Hkv, L, D]
+        shape = (b, -1, self.num_kv_heads, self.head_dim)
+        k = cache[0].index_select(0, tables.view(-1)).view(shape).transpose(1, 2)
+        v = cache[1].index_select(0, tables.view(-1)).view(shape).transpose(1, 2)
+        qh = q.reshape(b, self.num_heads, 1, self.head_dim)
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=self.meta.decode_mask,
                                              scale=self.scale, enable_gqa=self.group > 1)
         return out.reshape(b, self.num_heads * self.head_dim)
@@ -83,8 +87,8 @@ class TorchPagedAttention:
         else:
             # The whole sequence so far from the cache (this chunk was just written).
             seq_len = ctx + n
-            k = cache[0][chunk.block_ids].flatten(0, 1)[:seq_len]
-            v = cache[1][chunk.block_ids].flatten(0, 1)[:seq_len]
+            k = cache[0].index_select(0, chunk.block_ids).flatten(0, 1)[:seq_len]
+            v = cache[1].index_select(0, chunk.block_ids).flatten(0, 1)[:seq_len]
             # Query j sits at position ctx + j and sees keys 0 .. ctx + j.
             mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=ctx)
             causal = False

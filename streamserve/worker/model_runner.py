@@ -208,6 +208,8 @@ class ModelRunner:
         for i, (state, n) in enumerate(zip(decodes, seq_lens)):
             nb = -(-n // bs)
             tables[i, :nb] = state.block_ids[:nb]
+        if all(n == max_blocks * bs for n in seq_lens):
+            return self._tensor(tables), None  # every row fills its blocks exactly
         lens = torch.tensor(seq_lens, device=self.device)
         visible = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
