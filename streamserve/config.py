@@ -117,7 +117,7 @@ class CacheConfig:
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV blocks of equal prompt prefixes"})
     kv_cache_memory: Optional[str] = field(default=None, metadata={
-        "help": "bytes for the KV cache on the CPU, e.g. 4GiB (default: a quarter of free RAM, at most 8GiB)"})
+        "help": "bytes for the KV cache on the CPU, e.g. 4GiB (default: a quarter of free RAM, at most 4GiB)"})
     gpu_memory_utilization: float = field(default=0.9, metadata={
         "help": "share of GPU memory the engine may use (weights, activations and KV cache)"})
     num_gpu_blocks_override: Optional[int] = field(default=None, metadata={
@@ -134,11 +134,11 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory ({self.kv_cache_memory}) must be a positive size")
 
     def kv_cache_bytes(self) -> int:
-        """The CPU byte budget: the configured one, or a quarter of free RAM (at most 8 GiB)."""
+        """The CPU byte budget: the configured one, or a quarter of free RAM (at most 4 GiB)."""
         if self.kv_cache_memory is not None:
             return parse_size(self.kv_cache_memory)
         available = _available_ram_bytes()
-        return max(64 * 1024**2, min(available // 4, 8 * 1024**3))
+        return max(64 * 1024**2, min(available // 4, 4 * 1024**3))
 
 
 @dataclass

@@ -212,9 +212,9 @@ def test_kv_cache_memory_setting(model_dir):
     assert cfg.cache.kv_cache_bytes() == 512 * 1000**2
     cfg = Config.from_kwargs(model=model_dir, kv_cache_memory=1 << 20)
     assert cfg.cache.kv_cache_bytes() == 1 << 20
-    # Unset: a quarter of free RAM, between 64 MiB and 8 GiB.
+    # Unset: a quarter of free RAM, between 64 MiB and 4 GiB.
     default = Config.from_kwargs(model=model_dir).cache.kv_cache_bytes()
-    assert 64 * 1024**2 <= default <= 8 * 1024**3
+    assert 64 * 1024**2 <= default <= 4 * 1024**3
     for bad in (0, "0MiB", -5, "-5"):
         with pytest.raises(ValueError, match="kv_cache_memory"):
             Config.from_kwargs(model=model_dir, kv_cache_memory=bad)

@@ -53,23 +53,26 @@ def build_tokenizer(path: str) -> None:
 def _config(arch: str, **overrides):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    kwargs = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   rms_norm_eps=1e-6, initializer_range=0.15, eos_token_id=2, bos_token_id=None,
                   pad_token_id=0, torch_dtype="float32")
-    common.update(overrides)
     if arch == "llama":
         # Tied embeddings and Llama-3 rope scaling.
-        return LlamaConfig(tie_word_embeddings=True, rope_theta=500000.0, rope_scaling={
+        kwargs.update(tie_word_embeddings=True, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64}, **common)
-    if arch == "mistral":
-        return MistralConfig(tie_word_embeddings=False, sliding_window=None, **common)
-    if arch == "qwen2":
-        return Qwen2Config(tie_word_embeddings=False, use_sliding_window=False, **common)
-    if arch == "qwen3":
-        return Qwen3Config(tie_word_embeddings=True, head_dim=32, use_sliding_window=False, **common)
-    raise ValueError(arch)
+            "original_max_position_embeddings": 64})
+    elif arch == "mistral":
+        kwargs.update(tie_word_embeddings=False, sliding_window=None)
+    elif arch == "qwen2":
+        kwargs.update(tie_word_embeddings=False, use_sliding_window=False)
+    elif arch == "qwen3":
+        kwargs.update(tie_word_embeddings=True, head_dim=32, use_sliding_window=False)
+    else:
+        raise ValueError(arch)
+    kwargs.update(overrides)
+    kind = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    return kind[arch](**kwargs)
 
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")

@@ -1,0 +1,93 @@
+"""The command line: `python -m streamserve` / `streamserve`.
+
+Engine flags are generated from the Config dataclasses (one flag per field, the
+field's help text and default), so a flag and its setting cannot drift apart.
+Today the command runs one prompt through the engine and prints the completion;
+the HTTP server arrives with its own issue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from typing import Any, Optional
+
+from streamserve.config import (CacheConfig, Config, DeviceConfig, ModelConfig,
+                                SchedulerConfig)
+
+_PART_CLASSES = {"model": ModelConfig, "cache": CacheConfig,
+                 "scheduler": SchedulerConfig, "device": DeviceConfig}
+
+
+def _scalar_type(hint: Any) -> type:
+    """int / float / str / bool out of a hint such as Optional[int]."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per Config field, grouped by part."""
+    for part, fields in Config.part_fields().items():
+        group = parser.add_argument_group(f"{part} settings")
+        hints = typing.get_type_hints(_PART_CLASSES[part])
+        for f in fields:
+            flag = "--" + f.name.replace("_", "-")
+            kind = _scalar_type(hints[f.name])
+            help_text = f.metadata.get("help", "")
+            if kind is bool:
+                if f.default:
+                    group.add_argument("--no-" + f.name.replace("_", "-"), dest=f.name,
+                                       action="store_false", help=f"turn off: {help_text}")
+                else:
+                    group.add_argument(flag, dest=f.name, action="store_true", help=help_text)
+                group.set_defaults(**{f.name: f.default})
+            else:
+                if "default:" not in help_text:
+                    help_text += " (default: %(default)s)"
+                group.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text)
+
+
+def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The Config keyword arguments from parsed flags."""
+    names = [f.name for fields in Config.part_fields().values() for f in fields]
+    return {name: getattr(args, name) for name in names}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamserve",
+        description="streamserve: an LLM inference engine in one Python process. "
+                    "Runs --prompt through the model and prints the completion.")
+    run = parser.add_argument_group("generation")
+    run.add_argument("--prompt", required=True, help="the text to complete")
+    run.add_argument("--chat", action="store_true", help="send --prompt as a user message through "
+                     "the model's chat template")
+    run.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    run.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature; 0 is greedy (default: %(default)s)")
+    add_config_flags(parser)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from streamserve import LLM, SamplingParams
+
+    try:
+        llm = LLM(**config_kwargs(args))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        if args.chat:
+            outputs = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    except (ValueError, TypeError) as exc:
+        print(f"streamserve: error: {exc}", file=sys.stderr)
+        return 2
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The command line: flags generated from Config, one prompt through the engine."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from streamserve import LLM, SamplingParams
+from streamserve.cli import build_parser, config_kwargs
+from streamserve.config import Config
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "streamserve", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_every_config_field_has_a_flag():
+    help_text = build_parser().format_help()
+    for fields in Config.part_fields().values():
+        for f in fields:
+            name = f.name.replace("_", "-")
+            assert f"--{name}" in help_text or f"--no-{name}" in help_text, f.name
+
+
+def test_flags_become_config_kwargs():
+    args = build_parser().parse_args(["--prompt", "x", "--model", "m", "--max-num-seqs", "7",
+                                      "--no-enable-prefix-caching", "--kv-cache-memory", "1GiB"])
+    kwargs = config_kwargs(args)
+    assert kwargs["model"] == "m" and kwargs["max_num_seqs"] == 7
+    assert kwargs["enable_prefix_caching"] is False and kwargs["kv_cache_memory"] == "1GiB"
+    assert kwargs["block_size"] == 16 and kwargs["max_num_batched_tokens"] == 2048
+
+
+def test_prompt_is_completed_greedily(llama_dir):
+    result = run_cli("--model", llama_dir, "--dtype", "float32", "--kv-cache-memory", "16MiB",
+                     "--prompt", "The quick brown fox", "--max-tokens", "6")
+    assert result.returncode == 0, result.stderr
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
+    expected = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=6),
+                            use_tqdm=False)[0].outputs[0].text
+    assert result.stdout == expected + "\n"
+
+
+def test_a_bad_model_path_is_one_clear_line(tmp_path):
+    result = run_cli("--model", str(tmp_path / "nowhere"), "--prompt", "hi")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("streamserve: error: model")
+    assert "Traceback" not in result.stderr
