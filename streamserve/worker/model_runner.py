@@ -62,8 +62,7 @@ class ModelRunner:
         self.num_blocks = self._determine_num_blocks()
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                          for _ in range(arch.num_layers)]
+        self.kv_caches = [self._zeros(shape) for _ in range(arch.num_layers)]
         self.sampler = Sampler(self.device, config.model.seed)
         self.requests: dict[str, RequestState] = {}
         # Seeded generators outlive preemption, so a resumed request keeps its stream.
@@ -103,6 +102,16 @@ class ModelRunner:
                                            + (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim)
         activations += 2 * self.config.scheduler.max_num_seqs * arch.vocab_size * 4
         return max(0, int(total * self.config.cache.gpu_memory_utilization) - used - activations)
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed KV tensor. On the CPU it comes from calloc (numpy), so the OS hands out
+        zero pages as they are first touched: a large cache costs nothing at start-up and
+        holds only as much RAM as it has used. (Zeros matter: a masked slot must not hold NaN.)"""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        same_size = {2: np.uint16, 4: np.float32, 8: np.float64}
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return torch.from_numpy(np.zeros(shape, dtype=same_size[elem])).view(self.dtype)
 
     # -- one step ----------------------------------------------------------------
 

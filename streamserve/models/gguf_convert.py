@@ -1,0 +1,170 @@
+"""GGUF -> a normal Hugging Face model directory (config.json, safetensors, tokenizer).
+
+A GGUF file is converted once, into the cache, so later starts load safetensors in
+seconds. Tensors are dequantized with the `gguf` package (F32, F16, BF16, Q8_0, Q4_0,
+Q4_1 and the other types it reads), llama.cpp's tensor names are mapped to Hugging
+Face's, and the row permutation that llama.cpp's converter applies to Llama's Q and K
+projections is undone. Config comes from the GGUF metadata; the tokenizer and its chat
+template from the GGUF's tokenizer fields (through transformers' GGUF tokenizer reader).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+# GGUF architecture -> (Hugging Face architecture, model_type, Q/K rows permuted by llama.cpp)
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama", True),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+}
+
+# llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
+_LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
+                   "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+MARKER = "streamserve-gguf-source.json"
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    """GGUF key/value fields as Python values (strings decoded, arrays of numbers as lists)."""
+    import gguf
+
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if not field.types:
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.STRING:
+            meta[key] = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+        elif kind == gguf.GGUFValueType.ARRAY:
+            if len(field.types) > 1 and field.types[1] == gguf.GGUFValueType.STRING:
+                continue  # token lists: the tokenizer reader handles those
+            meta[key] = [field.parts[i].tolist()[0] for i in field.data]
+        else:
+            meta[key] = field.parts[field.data[0]].tolist()[0]
+    return meta
+
+
+def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype) -> dict[str, Any]:
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; streamserve reads "
+                         f"{', '.join(sorted(_ARCHS))} GGUF files")
+    hf_arch, model_type, _ = _ARCHS[arch]
+    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    config = {
+        "architectures": [hf_arch], "model_type": model_type,
+        "hidden_size": hidden, "intermediate_size": get("feed_forward_length"),
+        "num_hidden_layers": get("block_count"), "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": get("attention.key_length", hidden // heads),
+        "max_position_embeddings": get("context_length", 2048),
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "vocab_size": get("vocab_size"),
+        "tie_word_embeddings": tied,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    scaling = get("rope.scaling.type")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    elif scaling not in (None, "none"):
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (supported: none, linear)")
+    return config
+
+
+def reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K permutation: it interleaved the two rotary halves of each head."""
+    rows, cols = w.shape
+    return w.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def hf_name(name: str) -> str:
+    if name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[name]
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+    raise ValueError(f"GGUF tensor {name!r} has no place in a Llama-family model")
+
+
+def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """Write the converted model into `out_dir` (replaced whole); return `out_dir`."""
+    import gguf
+    from safetensors.torch import save_file
+
+    reader = gguf.GGUFReader(gguf_path)
+    meta = read_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError("this GGUF carries rope_freqs (Llama-3.1-style rope scaling), which "
+                         "streamserve does not read from GGUF yet; use the Hugging Face checkpoint")
+    config = hf_config(meta, tied="output.weight" not in names, dtype=dtype)
+    permuted = _ARCHS[meta["general.architecture"]][2]
+    tmp_dir = out_dir + ".partial"
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    os.makedirs(tmp_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor"):
+        # GGUF shapes list the fastest-varying dimension first: reverse for numpy.
+        array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        name = hf_name(t.name)
+        if permuted and name.endswith("q_proj.weight"):
+            array = reverse_permute(array, config["num_attention_heads"])
+        elif permuted and name.endswith("k_proj.weight"):
+            array = reverse_permute(array, config["num_key_value_heads"])
+        tensors[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"])).to(dtype)
+    save_file(tensors, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(tmp_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    _convert_tokenizer(gguf_path, tmp_dir, meta)
+    with open(os.path.join(tmp_dir, MARKER), "w", encoding="utf-8") as f:
+        json.dump(source_stamp(gguf_path, dtype), f)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp_dir, out_dir)
+    return out_dir
+
+
+def _convert_tokenizer(gguf_path: str, out_dir: str, meta: dict[str, Any]) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
+                                        gguf_file=os.path.basename(gguf_path))
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        tok.chat_template = template
+    tok.save_pretrained(out_dir)
+
+
+def source_stamp(gguf_path: str, dtype: torch.dtype) -> dict[str, Any]:
+    """What a converted directory was made from: a changed file means a new conversion."""
+    st = os.stat(gguf_path)
+    return {"path": os.path.abspath(gguf_path), "size": st.st_size, "mtime": int(st.st_mtime),
+            "dtype": str(dtype)}
+
+
+def is_converted(gguf_path: str, out_dir: str, dtype: torch.dtype) -> bool:
+    try:
+        with open(os.path.join(out_dir, MARKER), encoding="utf-8") as f:
+            return json.load(f) == source_stamp(gguf_path, dtype)
+    except (OSError, ValueError):
+        return False

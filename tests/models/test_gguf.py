@@ -1,0 +1,145 @@
+"""GGUF as a model source: a tiny random Llama written to GGUF here (with llama.cpp's Q/K
+permutation and quantized tensors), loaded by streamserve and by transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from streamserve import LLM, SamplingParams
+from streamserve.models.gguf_convert import reverse_permute
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+# Hugging Face tensor name piece -> llama.cpp's, and the type each is stored as.
+_NAMES = {"self_attn.q_proj": ("attn_q", Q.Q8_0), "self_attn.k_proj": ("attn_k", Q.F16),
+          "self_attn.v_proj": ("attn_v", Q.Q4_0), "self_attn.o_proj": ("attn_output", Q.Q4_1),
+          "mlp.gate_proj": ("ffn_gate", Q.BF16), "mlp.up_proj": ("ffn_up", Q.Q8_0),
+          "mlp.down_proj": ("ffn_down", Q.F32), "input_layernorm": ("attn_norm", Q.F32),
+          "post_attention_layernorm": ("ffn_norm", Q.F32)}
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter: interleave the two rotary halves of each head's rows."""
+    rows, cols = w.shape
+    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def write_gguf(hf_dir: str, path: str) -> None:
+    from safetensors.numpy import load_file
+    from transformers import AutoTokenizer
+
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    writer.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    vocab = json.loads(tok.backend_tokenizer.to_str())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    specials = set(tok.all_special_tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in specials else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["merges"]])
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_pad_token_id(tok.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tok.chat_template)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    writer.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", tensors["model.norm.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        for hf_piece, (cpp_piece, qtype) in _NAMES.items():
+            w = tensors[f"model.layers.{i}.{hf_piece}.weight"].astype(np.float32)
+            if cpp_piece == "attn_q":
+                w = permute(w, heads)
+            elif cpp_piece == "attn_k":
+                w = permute(w, kv_heads)
+            if qtype == Q.F16:
+                writer.add_tensor(f"blk.{i}.{cpp_piece}.weight", w.astype(np.float16))
+            elif qtype == Q.F32:
+                writer.add_tensor(f"blk.{i}.{cpp_piece}.weight", w)
+            else:
+                writer.add_tensor(f"blk.{i}.{cpp_piece}.weight", gguf.quants.quantize(w, qtype),
+                                  raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory) -> str:
+    from tiny_models import build_model
+
+    root = tmp_path_factory.mktemp("gguf")
+    hf_dir = build_model(str(root / "hf"), "llama", seed=7, tie_word_embeddings=True,
+                         rope_scaling=None, hidden_size=64, intermediate_size=128)
+    path = str(root / "tiny-llama.gguf")
+    write_gguf(hf_dir, path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("STREAMSERVE_CACHE", str(tmp_path / "cache"))
+
+
+def test_reverse_permute_undoes_llama_cpp():
+    w = np.arange(8 * 6 * 3, dtype=np.float32).reshape(8 * 3, 6)
+    assert np.array_equal(reverse_permute(permute(w, 3), 3), w)
+
+
+def test_greedy_tokens_match_transformers_on_the_same_gguf(gguf_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gguf_path)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    llm = LLM(gguf_path, dtype="float32", kv_cache_memory="16MiB")
+    prompts = ["The quick brown fox", "Paris is the capital of", "hello world", "def add(a, b):"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                           use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        assert output.prompt_token_ids == ids[0].tolist()
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                          pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
+        assert output.outputs[0].token_ids == ref
+
+
+def test_directory_plus_file_name_and_chat_template(gguf_path):
+    folder, name = os.path.split(gguf_path)
+    llm = LLM(folder, gguf_file=name, dtype="float32", kv_cache_memory="16MiB")
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    text = llm.get_tokenizer().decode(out.prompt_token_ids)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_conversion_happens_once(gguf_path):
+    from streamserve.models.resolve import resolve_model
+
+    first = resolve_model(gguf_path, None, torch.float32)
+    stamp = os.path.getmtime(os.path.join(first, "model.safetensors"))
+    assert resolve_model(gguf_path, None, torch.float32) == first
+    assert os.path.getmtime(os.path.join(first, "model.safetensors")) == stamp
+    config = json.load(open(os.path.join(first, "config.json")))
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
+    bf16 = resolve_model(gguf_path, None, torch.bfloat16)
+    assert bf16 != first and json.load(open(os.path.join(bf16, "config.json")))["torch_dtype"] == "bfloat16"

