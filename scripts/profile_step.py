@@ -1,0 +1,61 @@
+"""Profile decode steps of the engine: step time and the ops that take it (torch.profiler).
+
+    python scripts/profile_step.py                    # batch 1, random SmolLM2-shaped Llama, bf16
+    python scripts/profile_step.py --batch 64 --prompt-len 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_throughput import make_workload, random_smollm2_shaped  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed")
+    parser.add_argument("--rows", type=int, default=25, help="ops listed")
+    args = parser.parse_args()
+
+    from streamserve import LLM, SamplingParams
+
+    model = args.model or random_smollm2_shaped(
+        os.path.join(os.path.expanduser("~/.cache/streamserve"), "bench-smollm2-shape"))
+    llm = LLM(model, dtype=args.dtype, kv_cache_memory="2GiB")
+    core = llm.engine_core
+    steps = args.steps + 10
+    for prompt, max_tokens in make_workload(args.batch, core.vocab_size, 1, args.prompt_len,
+                                            args.prompt_len, steps, steps):
+        llm._add_request(None, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                        for r in core.scheduler.running):
+        core.step()
+    core.step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        core.step()
+    per_step = (time.perf_counter() - start) / args.steps
+    print(f"batch {args.batch}, context ~{args.prompt_len}: {per_step * 1000:.1f} ms per decode step "
+          f"({args.batch / per_step:.1f} tok/s)")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            core.step()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events) / 5 / 1000
+    print(f"profiled: {total:.1f} ms of op time per step")
+    for e in events[:args.rows]:
+        print(f"  {e.key[:48]:48s} {e.self_cpu_time_total / 5 / 1000:8.2f} ms {e.count // 5:6d} calls")
+
+
+if __name__ == "__main__":
+    main()
