@@ -9,7 +9,6 @@ the HTTP server arrives with its own issue.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import typing
 from typing import Any, Optional

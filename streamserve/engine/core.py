@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
 from streamserve.config import Config
 from streamserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request, validate_prompt
 from streamserve.engine.scheduler import Scheduler
 from streamserve.worker.model_runner import ModelRunner
-
-logger = logging.getLogger(__name__)
 
 
 class EngineCore:

@@ -126,12 +126,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
+# attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq * D]
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class ForwardContext:
     """What one step's forward pass needs besides the tokens, passed to every layer
     (no module state outlives the step)."""
 
-    attention: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    attention: AttentionFn
     cos: torch.Tensor
     sin: torch.Tensor
     low_precision: bool = False

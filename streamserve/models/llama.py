@@ -12,16 +12,13 @@ Weights are fused where the checkpoint keeps them apart: q/k/v into one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
 
-from streamserve.models.layers import (ForwardContext, Linear, RMSNorm, RotaryEmbedding, apply_rotary,
+from streamserve.models.layers import (AttentionFn, ForwardContext, Linear, RMSNorm, RotaryEmbedding, apply_rotary,
                                        silu_and_mul)
-
-# attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq * D]
-AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
