@@ -88,10 +88,10 @@ class LLM:
                    dynamic_ncols=True)
         with bar:
             while self.engine_core.has_unfinished_requests():
-                finished, to_abort = self.output_processor.process_outputs(self.engine_core.step())
-                if to_abort:
-                    self.engine_core.abort_requests(to_abort)
-                for output in finished:
+                processed = self.output_processor.process_outputs(self.engine_core.step())
+                if processed.to_abort:
+                    self.engine_core.abort_requests(processed.to_abort)
+                for output in processed.finished:
                     results[output.request_id] = output
                     bar.update(1)
         return [results[rid] for rid in request_ids]

@@ -7,7 +7,7 @@ processor gathers back into one RequestOutput with n CompletionOutputs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from transformers import PreTrainedTokenizerBase
 
@@ -21,6 +21,12 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{request_id}#{index}"
 
 
+class ProcessedOutputs(NamedTuple):
+    finished: list[RequestOutput]  # whole outputs of the requests that finished this step
+    deltas: list[RequestOutput]  # for streamed requests: only what is new since the last delta
+    to_abort: list[str]  # engine request ids a stop string ended
+
+
 @dataclass
 class _Sample:
     index: int
@@ -30,6 +36,8 @@ class _Sample:
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
+    num_streamed_tokens: int = 0
+    finish_streamed: bool = False
 
 
 @dataclass
@@ -38,6 +46,7 @@ class _ParentState:
     prompt: Optional[str]
     prompt_token_ids: list[int]
     samples: list[_Sample]
+    stream: bool = False
     num_cached_tokens: int = 0
 
     @property
@@ -52,13 +61,14 @@ class OutputProcessor:
         self.child_to_sample: dict[str, tuple[_ParentState, _Sample]] = {}
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
-                    params: SamplingParams) -> list[str]:
-        """Track a request; returns the engine (child) request ids to submit."""
+                    params: SamplingParams, stream: bool = False) -> list[str]:
+        """Track a request; returns the engine (child) request ids to submit. A streamed
+        request also gets a delta RequestOutput each step it changes."""
         samples = [_Sample(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
                            logprobs=[] if params.logprobs is not None else None,
                            cumulative_logprob=0.0 if params.logprobs is not None else None)
                    for i in range(params.n)]
-        parent = _ParentState(request_id, prompt, prompt_token_ids, samples)
+        parent = _ParentState(request_id, prompt, prompt_token_ids, samples, stream)
         self.parents[request_id] = parent
         child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
         for child_id, sample in zip(child_ids, samples):
@@ -78,17 +88,18 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]
-                        ) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's outputs. Returns the RequestOutputs that finished, and the
-        engine request ids to abort because a stop string ended them."""
+    def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
+        """Apply one step's outputs."""
         finished: list[RequestOutput] = []
         to_abort: list[str] = []
+        touched: dict[str, _ParentState] = {}
         for out in outputs:
             entry = self.child_to_sample.get(out.request_id)
             if entry is None:
                 continue
             parent, sample = entry
+            if parent.stream:
+                touched[parent.request_id] = parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             sample.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None and sample.logprobs is not None:
@@ -105,7 +116,27 @@ class OutputProcessor:
                 if parent.finished:
                     del self.parents[parent.request_id]
                     finished.append(self.make_request_output(parent))
-        return finished, to_abort
+        deltas = [self._make_delta_output(p) for p in touched.values()]
+        return ProcessedOutputs(finished, [d for d in deltas if d.outputs], to_abort)
+
+    def _make_delta_output(self, parent: _ParentState) -> RequestOutput:
+        """What each sample gained since its last delta: text (less what a stop string
+        may still claim), token ids, logprobs, and the finish reason once."""
+        outputs = []
+        for s in parent.samples:
+            done = s.finish_reason is not None
+            start, end = s.num_streamed_tokens, len(s.token_ids)
+            text = s.detokenizer.stream_delta(done)
+            if start == end and not text and (not done or s.finish_streamed):
+                continue
+            s.num_streamed_tokens = end
+            s.finish_streamed = done
+            outputs.append(CompletionOutput(
+                s.index, text, s.token_ids[start:end], s.cumulative_logprob,
+                None if s.logprobs is None else s.logprobs[start:end],
+                s.finish_reason, s.stop_reason))
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
+                             parent.finished, parent.num_cached_tokens)
 
     def _add_logprobs(self, sample: _Sample, out: EngineCoreOutput) -> None:
         for token, lp in zip(out.new_token_ids, out.new_logprobs):

@@ -1,0 +1,192 @@
+"""AsyncEngine: the event loop's handle on the engine thread (DESIGN.md, threading contract).
+
+    loop (main thread)                          engine thread
+    ------------------                          -------------
+    generate(): validate, track, inbox.append   drain inbox -> EngineCore.add_request/abort
+                wake.set()                      step() -> EngineCoreOutputs
+    _on_step(): detokenise, stop strings,  <--  ONE loop.call_soon_threadsafe per step
+                per-request asyncio.Queue
+
+The inbox is a deque (append and popleft are atomic) plus a threading.Event that wakes
+an idle engine; no lock is held across a step. The loop never blocks on the engine and
+the engine never awaits the loop. A request the engine refuses, or a step that raises,
+fails only the requests concerned; the thread keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from typing import AsyncIterator, Optional
+
+from streamserve.config import Config
+from streamserve.engine.core import EngineCore
+from streamserve.engine.request import EngineCoreOutput
+from streamserve.frontend.input_processor import InputProcessor
+from streamserve.frontend.output_processor import OutputProcessor
+from streamserve.frontend.renderer import Renderer, load_tokenizer
+from streamserve.outputs import RequestOutput
+from streamserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread could not start (loading failed) or has stopped."""
+
+
+class AsyncEngine:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.renderer = Renderer(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor: Optional[InputProcessor] = None  # needs the vocabulary size
+        self.engine_core: Optional[EngineCore] = None  # built on the engine thread
+        self.load_error: Optional[BaseException] = None
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._children: dict[str, list[str]] = {}
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._ready: Optional[asyncio.Event] = None
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # -- life cycle (loop side) ----------------------------------------------------
+
+    def start(self) -> None:
+        """Start loading the model on the engine thread; returns at once."""
+        self._loop = asyncio.get_running_loop()
+        self._ready = asyncio.Event()
+        self._thread = threading.Thread(target=self._engine_main, name="streamserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._ready is not None and self._ready.is_set() and self.load_error is None
+
+    async def wait_ready(self) -> None:
+        assert self._ready is not None, "start() first"
+        await self._ready.wait()
+        if self.load_error is not None:
+            raise EngineDeadError(f"the engine failed to load: {self.load_error}") from self.load_error
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    # -- requests (loop side) ------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: Optional[str] = None, prompt: Optional[str] = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream one request: each item holds what is new (text, token ids) per sample.
+        Closing the iterator early (a client went away) aborts the request."""
+        if not self.is_ready:
+            raise EngineDeadError("the engine is not ready")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.input_processor.validate(prompt_token_ids, params)
+        queue: asyncio.Queue = asyncio.Queue()
+        children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params,
+                                                     stream=True)
+        self._queues[request_id] = queue
+        self._children[request_id] = children
+        self._send("add", self.input_processor.process(children, prompt_token_ids, params,
+                                                       time.monotonic()))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            self._children.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Forget a request and tell the engine to free its blocks (within one step)."""
+        children = self.output_processor.abort_request(request_id)
+        if children:
+            self._send("abort", children)
+
+    def _send(self, kind: str, payload: object) -> None:
+        self._inbox.append((kind, payload))
+        self._wake.set()
+
+    # -- the engine thread -----------------------------------------------------------
+
+    def _engine_main(self) -> None:
+        try:
+            core = EngineCore(self.config)
+        except BaseException as exc:  # a load failure must reach /health, not kill silently
+            logger.exception("engine failed to load")
+            self.load_error = exc
+            self._loop.call_soon_threadsafe(self._ready.set)
+            return
+        self.engine_core = core
+        self.input_processor = InputProcessor(self.config, self.renderer, core.vocab_size)
+        self._loop.call_soon_threadsafe(self._ready.set)
+        while not self._stopping:
+            refused = self._drain_inbox(core)
+            if not core.has_unfinished_requests():
+                if refused:
+                    self._loop.call_soon_threadsafe(self._on_step, [], refused)
+                self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                outputs = core.step()
+            except Exception as exc:  # fail what was running, keep the thread alive
+                logger.exception("engine step failed")
+                refused += [(rid, exc) for rid in core.scheduler.requests]
+                core.abort_requests(list(core.scheduler.requests))
+                outputs = []
+            self.num_steps += 1
+            self._loop.call_soon_threadsafe(self._on_step, outputs, refused)
+
+    def _drain_inbox(self, core: EngineCore) -> list[tuple[str, BaseException]]:
+        refused: list[tuple[str, BaseException]] = []
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "abort":
+                core.abort_requests(payload)
+                continue
+            for request in payload:
+                try:
+                    core.add_request(request)
+                except Exception as exc:
+                    refused.append((request.request_id, exc))
+        return refused
+
+    # -- back on the loop ------------------------------------------------------------
+
+    def _on_step(self, outputs: list[EngineCoreOutput],
+                 refused: list[tuple[str, BaseException]]) -> None:
+        processed = self.output_processor.process_outputs(outputs)
+        if processed.to_abort:
+            self._send("abort", processed.to_abort)
+        for delta in processed.deltas:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+        for child_id, exc in refused:
+            parent_id = next((p for p, c in self._children.items() if child_id in c), None)
+            if parent_id is not None:
+                self.abort(parent_id)
+                self._queues[parent_id].put_nowait(exc)

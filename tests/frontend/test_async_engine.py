@@ -1,0 +1,137 @@
+"""AsyncEngine: the engine on its own thread, streamed deltas on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from streamserve import LLM, SamplingParams
+from streamserve.config import Config
+from streamserve.frontend.async_engine import AsyncEngine, EngineDeadError
+
+PROMPTS = ["The quick brown fox", "Paris is the capital of", "hello world", "def add(a, b):",
+           "Once upon a time", "Streaming servers send", "user assistant", "Caf\u00e9 \U0001f600"]
+
+
+def make_engine(model_dir: str) -> AsyncEngine:
+    return AsyncEngine(Config.from_kwargs(model=model_dir, dtype="float32", kv_cache_memory="16MiB"))
+
+
+async def collect(engine: AsyncEngine, prompt: str, params: SamplingParams):
+    ids = engine.renderer.encode(prompt)
+    text, tokens, finish = "", [], None
+    async for delta in engine.generate(ids, params, prompt=prompt):
+        for sample in delta.outputs:
+            text += sample.text
+            tokens += sample.token_ids
+            finish = sample.finish_reason or finish
+    return text, tokens, finish
+
+
+def test_concurrent_streams_equal_offline_results(llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=24, stop=["zz"])
+    offline = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB").generate(PROMPTS, params, use_tqdm=False)
+
+    async def main():
+        engine = make_engine(llama_dir)
+        engine.start()
+        await engine.wait_ready()
+        results = await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS))
+        await engine.shutdown()
+        return results
+
+    for (text, tokens, finish), expected in zip(asyncio.run(main()), offline):
+        assert text == expected.outputs[0].text
+        assert tokens == expected.outputs[0].token_ids
+        assert finish == expected.outputs[0].finish_reason
+
+
+def test_one_loop_callback_per_step(llama_dir):
+    async def main():
+        engine = make_engine(llama_dir)
+        engine.start()
+        await engine.wait_ready()
+        loop = asyncio.get_running_loop()
+        calls = []
+        original = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            calls.append(getattr(callback, "__name__", ""))
+            return original(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS))
+        await engine.shutdown()
+        return calls.count("_on_step"), engine.num_steps
+
+    callbacks, steps = asyncio.run(main())
+    assert steps >= 16 and callbacks == steps
+
+
+def test_closing_a_stream_aborts_it_and_frees_its_blocks(llama_dir):
+    async def main():
+        engine = make_engine(llama_dir)
+        engine.start()
+        await engine.wait_ready()
+        kv = engine.engine_core.scheduler.kv_cache_manager
+        params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+        for _ in range(5):
+            stream = engine.generate(engine.renderer.encode("hello " * 20), params)
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 2:
+                    break
+            await stream.aclose()
+        for _ in range(200):  # the engine frees them within a step
+            if kv.num_free_blocks == kv.num_blocks and not engine.engine_core.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        free = (kv.num_free_blocks, kv.num_blocks)
+        # And it still serves.
+        text, tokens, _ = await collect(engine, "hello", SamplingParams(temperature=0, max_tokens=4))
+        await engine.shutdown()
+        return free, tokens
+
+    (free, total), tokens = asyncio.run(main())
+    assert free == total and len(tokens) == 4
+
+
+def test_bad_requests_fail_alone(llama_dir):
+    async def main():
+        engine = make_engine(llama_dir)
+        engine.start()
+        await engine.wait_ready()
+        with pytest.raises(ValueError, match="max_model_len"):
+            async for _ in engine.generate([5] * 600, SamplingParams()):
+                pass
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            async for _ in engine.generate([10**6], SamplingParams()):
+                pass
+        result = await collect(engine, "hello", SamplingParams(temperature=0, max_tokens=3))
+        await engine.shutdown()
+        return result
+
+    assert len(asyncio.run(main())[1]) == 3
+
+
+def test_a_model_that_fails_to_load_is_reported(llama_dir, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+
+    async def main():
+        engine = make_engine(str(broken))
+        engine.start()
+        with pytest.raises(EngineDeadError, match="failed to load"):
+            await engine.wait_ready()
+        assert not engine.is_ready
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate([5], SamplingParams()):
+                pass
+
+    asyncio.run(main())
