@@ -2,8 +2,8 @@
 
 Engine flags are generated from the Config dataclasses (one flag per field, the
 field's help text and default), so a flag and its setting cannot drift apart.
-Today the command runs one prompt through the engine and prints the completion;
-the HTTP server arrives with its own issue.
+Without --prompt the command serves the OpenAI-compatible API over HTTP; with
+--prompt it runs that one prompt through the engine and prints the completion.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import typing
 from typing import Any, Optional
 
 from streamserve.config import (CacheConfig, Config, DeviceConfig, ModelConfig,
-                                SchedulerConfig)
+                                SchedulerConfig, ServerConfig)
 
-_PART_CLASSES = {"model": ModelConfig, "cache": CacheConfig,
-                 "scheduler": SchedulerConfig, "device": DeviceConfig}
+_PART_CLASSES = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                 "device": DeviceConfig, "server": ServerConfig}
 
 
 def _scalar_type(hint: Any) -> type:
@@ -57,10 +57,11 @@ def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamserve",
-        description="streamserve: an LLM inference engine in one Python process. "
-                    "Runs --prompt through the model and prints the completion.")
-    run = parser.add_argument_group("generation")
-    run.add_argument("--prompt", required=True, help="the text to complete")
+        description="streamserve: an LLM inference server in one Python process. Serves the "
+                    "OpenAI-compatible API on --host:--port; with --prompt, completes that "
+                    "one prompt and prints it instead.")
+    run = parser.add_argument_group("one-shot generation (instead of serving)")
+    run.add_argument("--prompt", default=None, help="the text to complete")
     run.add_argument("--chat", action="store_true", help="send --prompt as a user message through "
                      "the model's chat template")
     run.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
@@ -70,8 +71,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from aiohttp import web
+
+    from streamserve.frontend.async_engine import AsyncEngine
+    from streamserve.server.app import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = Config.from_kwargs(**config_kwargs(args))
+        engine = AsyncEngine(config)
+    except (ValueError, TypeError) as exc:
+        print(f"streamserve: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
+    web.run_app(build_app(config, engine), host=config.server.host, port=config.server.port,
+                print=lambda line: logging.getLogger("streamserve").info(line.strip()))
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.prompt is None:
+        return serve(args)
     from streamserve import LLM, SamplingParams
 
     try:

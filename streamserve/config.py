@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from streamserve.models.resolve import resolve_model
+from streamserve.models.resolve import DEFAULT_MODEL, resolve_model
 
 _DTYPES = {
     "float32": torch.float32,
@@ -64,7 +64,8 @@ class ModelConfig:
         "help": "longest sequence (prompt + output) in tokens (default: the model's context length)"})
     seed: int = field(default=0, metadata={"help": "seed for requests that do not give their own"})
 
-    # Filled in by __post_init__ from the checkpoint.
+    # Filled in by __post_init__: what the user asked for, and what the checkpoint says.
+    source: Optional[str] = field(default=None, repr=False, metadata={"cli": False})
     hf_config: Any = field(default=None, repr=False, metadata={"cli": False})
     torch_dtype: Any = field(default=None, repr=False, metadata={"cli": False})
 
@@ -72,6 +73,7 @@ class ModelConfig:
         if self.hf_config is None:
             # GGUF files convert to float32 when float32 is asked for, else to bfloat16.
             convert = torch.float32 if _DTYPES.get(self.dtype) is torch.float32 else torch.bfloat16
+            self.source = self.model or DEFAULT_MODEL
             self.model = resolve_model(self.model, self.gguf_file, convert)
             with open(os.path.join(self.model, "config.json"), encoding="utf-8") as f:
                 self.hf_config = json.load(f)
@@ -172,19 +174,43 @@ class DeviceConfig:
 
 
 @dataclass
+class ServerConfig:
+    """The HTTP server (python -m streamserve)."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    served_model_name: Optional[str] = field(default=None, metadata={
+        "help": "the model name clients use (default: the --model value)"})
+    api_key: Optional[str] = field(default=None, metadata={
+        "help": "require 'Authorization: Bearer KEY' on /v1 routes"})
+    max_n: int = field(default=16, metadata={"help": "largest n (samples per request) accepted"})
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port ({self.port}) must be in [0, 65535]")
+        if self.max_n < 1:
+            raise ValueError(f"max_n ({self.max_n}) must be >= 1")
+
+
+@dataclass
 class Config:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
-    PARTS = ("model", "cache", "scheduler", "device")
+    PARTS = ("model", "cache", "scheduler", "device", "server")
+
+    @property
+    def served_model_name(self) -> str:
+        return self.server.served_model_name or self.model.source or self.model.model
 
     @classmethod
     def part_fields(cls) -> dict[str, list[dataclasses.Field]]:
         """The user-settable fields of each part, in declaration order."""
-        parts = {"model": ModelConfig, "cache": CacheConfig,
-                 "scheduler": SchedulerConfig, "device": DeviceConfig}
+        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                 "device": DeviceConfig, "server": ServerConfig}
         return {name: [f for f in dataclasses.fields(kind) if f.metadata.get("cli", True)]
                 for name, kind in parts.items()}
 
@@ -200,7 +226,8 @@ class Config:
         return cls(model=ModelConfig(**per_part["model"]),
                    cache=CacheConfig(**per_part["cache"]),
                    scheduler=SchedulerConfig(**per_part["scheduler"]),
-                   device=DeviceConfig(**per_part["device"]))
+                   device=DeviceConfig(**per_part["device"]),
+                   server=ServerConfig(**per_part["server"]))
 
 
 def _available_ram_bytes() -> int:

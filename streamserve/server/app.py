@@ -1,0 +1,261 @@
+"""The aiohttp app: OpenAI-compatible completions and chat completions, streamed over SSE.
+
+Routes: GET /health, GET /version, GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions. One middleware turns every exception into OpenAI's error
+body with the right status; no stack trace reaches a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+import orjson
+from aiohttp import web
+
+import streamserve
+from streamserve.config import Config
+from streamserve.frontend.async_engine import AsyncEngine
+from streamserve.outputs import RequestOutput
+from streamserve.server import protocol
+from streamserve.server.protocol import APIError, bad_request
+
+logger = logging.getLogger(__name__)
+
+ENGINE = web.AppKey("engine", AsyncEngine)
+READY_LOG = web.AppKey("ready_log", asyncio.Task)
+CONFIG = web.AppKey("config", Config)
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+def json_response(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return json_response(exc.body(), exc.status)
+    except web.HTTPException as exc:  # aiohttp's own (404 route, 405 method, 413 body size)
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return json_response(APIError(exc.status, exc.reason, type=kind).body(), exc.status)
+    except Exception:
+        logger.exception("unhandled error on %s", request.path)
+        return json_response(APIError(500, "internal server error", type="server_error").body(), 500)
+
+
+def build_app(config: Config, engine: AsyncEngine) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware])
+    app[CONFIG] = config
+    app[ENGINE] = engine
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+
+    async def on_startup(app: web.Application) -> None:
+        engine.start()
+        app[READY_LOG] = asyncio.create_task(_log_when_ready(config, engine))
+
+    async def on_cleanup(app: web.Application) -> None:
+        await engine.shutdown()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+async def _log_when_ready(config: Config, engine: AsyncEngine) -> None:
+    try:
+        await engine.wait_ready()
+    except Exception as exc:
+        logger.error("%s", exc)
+        return
+    runner = engine.engine_core.model_runner
+    tokens = runner.num_blocks * config.cache.block_size
+    logger.info("ready: model %s (%s), dtype %s (computing in %s), device %s, %d KV blocks "
+                "(%d tokens), up to %.1f sequences of max_model_len %d at once",
+                config.served_model_name, config.model.model, config.model.torch_dtype, runner.dtype,
+                config.device.device, runner.num_blocks, tokens, tokens / config.model.max_model_len,
+                config.model.max_model_len)
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if engine.load_error is not None:
+        return json_response({"status": "error", "error": str(engine.load_error)}, 503)
+    if not engine.is_ready:
+        return json_response({"status": "loading"}, 503)
+    return json_response({"status": "ok"})
+
+
+async def version(request: web.Request) -> web.Response:
+    return json_response({"version": streamserve.__version__})
+
+
+async def models(request: web.Request) -> web.Response:
+    config = request.app[CONFIG]
+    check_api_key(request)
+    return json_response({"object": "list", "data": [{
+        "id": config.served_model_name, "object": "model", "created": 0, "owned_by": "streamserve",
+        "max_model_len": config.model.max_model_len}]})
+
+
+def check_api_key(request: web.Request) -> None:
+    key = request.app[CONFIG].server.api_key
+    if key is not None and request.headers.get("Authorization") != f"Bearer {key}":
+        raise APIError(401, "missing or wrong API key", type="authentication_error",
+                       code="invalid_api_key")
+
+
+async def read_body(request: web.Request) -> dict[str, Any]:
+    check_api_key(request)
+    engine = request.app[ENGINE]
+    if not engine.is_ready:
+        raise APIError(503, "the model is still loading" if engine.load_error is None else
+                       "the engine failed to load", type="service_unavailable")
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    model = body.get("model")
+    served = request.app[CONFIG].served_model_name
+    if model is not None and model != served:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'",
+                       param="model", type="not_found_error", code="model_not_found")
+    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
+        raise bad_request("logprobs, top_logprobs and echo are not supported by this server yet",
+                          "logprobs")
+    return body
+
+
+class _Call:
+    """One request on its way: its prompt, params, and how to shape its chunks."""
+
+    def __init__(self, request: web.Request, body: dict[str, Any], chat: bool) -> None:
+        config = request.app[CONFIG]
+        self.engine = request.app[ENGINE]
+        self.chat = chat
+        self.model = config.served_model_name
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.stream, self.include_usage = protocol.stream_options(body)
+        if chat:
+            messages = protocol.chat_messages(body)
+            try:
+                self.prompt_ids = self.engine.renderer.encode_chat(messages)
+            except ValueError as exc:
+                raise bad_request(str(exc), "messages") from None
+            self.prompt_text = None
+        else:
+            prompt = protocol.completion_prompt(body)
+            self.prompt_text = prompt if isinstance(prompt, str) else None
+            self.prompt_ids = self.engine.renderer.encode(prompt) if isinstance(prompt, str) else prompt
+        room = config.model.max_model_len - len(self.prompt_ids)
+        self.params = protocol.sampling_params(body, config.server.max_n,
+                                               default_max_tokens=None if chat else 16)
+        if self.params.max_tokens is not None and self.params.max_tokens > room:
+            raise bad_request(f"the prompt has {len(self.prompt_ids)} tokens and max_tokens is "
+                              f"{self.params.max_tokens}: together they exceed max_model_len "
+                              f"({config.model.max_model_len})", "max_tokens")
+        try:
+            self.engine.input_processor.validate(self.prompt_ids, self.params)
+        except ValueError as exc:
+            raise bad_request(str(exc), "prompt" if not chat else "messages") from None
+
+    def outputs(self) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(self.prompt_ids, self.params, prompt=self.prompt_text)
+
+    def chunk(self, choices: list[dict[str, Any]], usage: Optional[dict] = None) -> dict[str, Any]:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            obj["usage"] = usage
+        return obj
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt = len(self.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens}
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, _Call(request, await read_body(request), chat=False))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, _Call(request, await read_body(request), chat=True))
+
+
+async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
+    if call.stream:
+        return await _stream(request, call)
+    n = call.params.n
+    texts, finish, tokens = [""] * n, [None] * n, [0] * n
+    async with contextlib.aclosing(call.outputs()) as outputs:
+        async for delta in outputs:
+            for s in delta.outputs:
+                texts[s.index] += s.text
+                tokens[s.index] += len(s.token_ids)
+                finish[s.index] = s.finish_reason or finish[s.index]
+    if call.chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": None, "finish_reason": finish[i]} for i in range(n)]
+        kind = "chat.completion"
+    else:
+        choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": finish[i]}
+                   for i in range(n)]
+        kind = "text_completion"
+    return json_response({"id": call.id, "object": kind, "created": call.created,
+                          "model": call.model, "choices": choices, "usage": call.usage(sum(tokens))})
+
+
+async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    send = lambda obj: response.write(b"data: " + orjson.dumps(obj) + b"\n\n")  # noqa: E731
+    completion_tokens = 0
+    async with contextlib.aclosing(call.outputs()) as outputs:
+        try:
+            if call.chat:  # the first chunk of each choice carries the role
+                await send(call.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}
+                                       for i in range(call.params.n)]))
+            async for delta in outputs:
+                choices = []
+                for s in delta.outputs:
+                    completion_tokens += len(s.token_ids)
+                    if not s.text and s.finish_reason is None:
+                        continue
+                    choice = {"index": s.index, "logprobs": None, "finish_reason": s.finish_reason}
+                    if call.chat:
+                        choice["delta"] = {"content": s.text} if s.text else {}
+                    else:
+                        choice["text"] = s.text
+                    choices.append(choice)
+                if choices:
+                    await send(call.chunk(choices))
+            if call.include_usage:
+                await send(call.chunk([], usage=call.usage(completion_tokens)))
+        except ConnectionResetError:
+            return response  # the client left: closing `outputs` aborts the request
+        except Exception as exc:  # after the headers: report in-band, then end the stream
+            logger.exception("error while streaming %s", call.id)
+            error = (exc if isinstance(exc, APIError) else bad_request(str(exc))
+                     if isinstance(exc, (ValueError, TypeError)) else
+                     APIError(500, "internal server error", type="server_error"))
+            await send(error.body())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response

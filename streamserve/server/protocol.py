@@ -1,0 +1,128 @@
+"""OpenAI request bodies -> (prompt, SamplingParams), and the one error shape.
+
+Every client mistake becomes an APIError with an HTTP status and OpenAI's error body
+{"error": {"message", "type", "param", "code"}}; nothing else reaches a client.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from streamserve.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 type: str = "invalid_request_error", code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str] = None) -> APIError:
+    return APIError(400, message, param)
+
+
+# body field -> (SamplingParams field, accepted types)
+_NUMBER = (int, float)
+_FIELDS = {
+    "n": ("n", (int,)), "temperature": ("temperature", _NUMBER), "top_p": ("top_p", _NUMBER),
+    "top_k": ("top_k", (int,)), "min_p": ("min_p", _NUMBER), "seed": ("seed", (int,)),
+    "presence_penalty": ("presence_penalty", _NUMBER),
+    "frequency_penalty": ("frequency_penalty", _NUMBER),
+    "repetition_penalty": ("repetition_penalty", _NUMBER),
+    "stop_token_ids": ("stop_token_ids", (list,)), "ignore_eos": ("ignore_eos", (bool,)),
+    "min_tokens": ("min_tokens", (int,)), "skip_special_tokens": ("skip_special_tokens", (bool,)),
+    "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
+}
+
+
+def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Optional[int]) -> SamplingParams:
+    """Validate the sampling fields of a completions or chat body."""
+    kwargs: dict[str, Any] = {}
+    for key, (name, types) in _FIELDS.items():
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise bad_request(f"'{key}' must be {' or '.join(t.__name__ for t in types)}", key)
+        kwargs[name] = value
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise bad_request(f"'{key}' must be an integer", key)
+            kwargs["max_tokens"] = value
+            break
+    else:
+        kwargs["max_tokens"] = default_max_tokens
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise bad_request("'stop' must be a non-empty string or a list of them", "stop")
+        kwargs["stop"] = stop
+    if kwargs.get("n", 1) > max_n:
+        raise bad_request(f"'n' must be at most {max_n}", "n")
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        raise bad_request(message, message.split(" ", 1)[0]) from None
+
+
+def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    if not isinstance(options, dict):
+        raise bad_request("'stream_options' must be an object", "stream_options")
+    return stream, bool(options.get("include_usage", False))
+
+
+def completion_prompt(body: dict[str, Any]) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # one prompt wrapped in a list; batches are not taken here
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_request("'prompt' is empty", "prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in prompt):
+        return prompt
+    if prompt is None or prompt == []:
+        raise bad_request("'prompt' is required and must not be empty", "prompt")
+    raise bad_request("'prompt' must be a string or a list of token IDs (one prompt per request)", "prompt")
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    result = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a 'role'", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: keep the text ones
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad_request(f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        result.append({"role": m["role"], "content": content})
+    return result

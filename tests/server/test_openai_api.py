@@ -1,0 +1,160 @@
+"""The HTTP server against the official openai client and raw aiohttp requests."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from streamserve import LLM, SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, *extra: str):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamserve", "--model", model_dir, "--dtype", "float32",
+                             "--kv-cache-memory", "16MiB", "--port", str(port), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read())
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs):
+    proc, url = start_server(model_dirs["llama"], "--served-model-name", "tiny")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(model_dirs):
+    return LLM(model_dirs["llama"], dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    with urllib.request.urlopen(server + "/health") as r:
+        assert json.loads(r.read()) == {"status": "ok"}
+
+
+def test_completion_matches_the_offline_engine(client, offline):
+    result = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12,
+                                       temperature=0)
+    expected = offline.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=12),
+                                use_tqdm=False)[0]
+    assert result.object == "text_completion" and result.model == "tiny"
+    assert result.choices[0].text == expected.outputs[0].text
+    assert result.choices[0].finish_reason == expected.outputs[0].finish_reason
+    assert result.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert result.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+
+def test_chat_stream_equals_chat(client):
+    messages = [{"role": "user", "content": "hello world"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_n_samples_and_stop(client):
+    result = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10,
+                                       temperature=1.0, n=2, seed=5)
+    assert sorted(c.index for c in result.choices) == [0, 1]
+    greedy = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
+    text = greedy.choices[0].text
+    stop = next((text[i:i + 2] for i in range(1, len(text) - 1)
+                 if text[i:i + 2].strip() and text.find(text[i:i + 2]) == i), None)
+    if stop is None:
+        pytest.skip("greedy text too short to pick a stop string")
+    stopped = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10,
+                                        temperature=0, stop=[stop])
+    assert stopped.choices[0].text == text[:text.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_bad_requests_raise_the_clients_errors(client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model="tiny", prompt="hi", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], top_p=0)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="other", prompt="hi")
+    with pytest.raises(openai.BadRequestError, match="exceed max_model_len"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=10_000)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model="tiny", messages=[])
+
+
+def test_raw_sse_framing(server):
+    body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0,
+                       "stream": True}).encode()
+    request = urllib.request.Request(server + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request) as r:
+        assert r.headers["Content-Type"] == "text/event-stream"
+        assert r.headers["Cache-Control"] == "no-cache" and r.headers["X-Accel-Buffering"] == "no"
+        raw = r.read().decode()
+    frames = raw.split("\n\n")
+    assert frames[-1] == "" and frames[-2] == "data: [DONE]"
+    for frame in frames[:-2]:
+        assert frame.startswith("data: ")
+        obj = json.loads(frame[6:])
+        assert obj["object"] == "text_completion" and len(obj["choices"]) == 1
+
+
+def test_malformed_json_is_400(server):
+    request = urllib.request.Request(server + "/v1/completions", data=b"{not json",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request)
+    assert info.value.code == 400
+    error = json.loads(info.value.read())["error"]
+    assert set(error) == {"message", "type", "param", "code"} and "not valid JSON" in error["message"]
+
+
+def test_api_key(model_dirs):
+    proc, url = start_server(model_dirs["llama"], "--api-key", "sekret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0)
+        assert len(good.completions.create(model=good.models.list().data[0].id, prompt="hi",
+                                           max_tokens=2).choices) == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
