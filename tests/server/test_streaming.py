@@ -1,0 +1,87 @@
+"""The server in this process (aiohttp runner + client): many concurrent streams, and
+streams the client abandons, which must give their KV blocks back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from streamserve.config import Config
+from streamserve.frontend.async_engine import AsyncEngine
+from streamserve.server.app import build_app
+
+
+async def start(model_dir: str):
+    config = Config.from_kwargs(model=model_dir, dtype="float32", kv_cache_memory="32MiB")
+    engine = AsyncEngine(config)
+    runner = web.AppRunner(build_app(config, engine))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    await engine.wait_ready()
+    return runner, engine, f"http://127.0.0.1:{port}"
+
+
+async def stream_text(session: aiohttp.ClientSession, url: str, body: dict) -> str:
+    text = ""
+    async with session.post(url + "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status == 200
+        async for line in r.content:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+    return text
+
+
+def test_32_concurrent_streams_equal_their_non_streamed_results(llama_dir):
+    prompts = [f"{word} number {i}" for i, word in enumerate(["hello", "Paris", "the fox", "def"] * 8)]
+
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        async with aiohttp.ClientSession() as session:
+            bodies = [{"prompt": p, "max_tokens": 20, "temperature": 0} for p in prompts]
+            streamed = await asyncio.gather(*(stream_text(session, url, b) for b in bodies))
+            whole = []
+            for b in bodies:
+                async with session.post(url + "/v1/completions", json=b) as r:
+                    whole.append((await r.json())["choices"][0]["text"])
+        await runner.cleanup()
+        return streamed, whole
+
+    streamed, whole = asyncio.run(main())
+    assert streamed == whole and any(whole)
+
+
+def test_abandoned_streams_are_aborted_and_free_their_blocks(llama_dir):
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        core = engine.engine_core
+        kv = core.scheduler.kv_cache_manager
+        aborted: list[str] = []
+        abort = core.abort_requests
+        core.abort_requests = lambda ids: (aborted.extend(ids), abort(ids))
+        body = {"prompt": "hello " * 30, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):
+                responses = [await session.post(url + "/v1/completions", json=body) for _ in range(6)]
+                for r in responses:
+                    assert r.status == 200
+                    await r.content.readline()  # the first chunk arrived: the request runs
+                    r.close()  # the client goes away mid-stream
+        for _ in range(500):
+            if not engine.engine_core.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks:
+                break
+            await asyncio.sleep(0.02)
+        result = (kv.num_free_blocks, kv.num_blocks, engine.engine_core.has_unfinished_requests(),
+                  len(set(aborted)))
+        await runner.cleanup()
+        return result
+
+    free, total, busy, num_aborted = asyncio.run(main())
+    assert num_aborted == 18  # every abandoned stream was aborted, none ran to its end
+    assert free == total and not busy
