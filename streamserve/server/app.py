@@ -61,6 +61,8 @@ def build_app(config: Config, engine: AsyncEngine) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
 
     async def on_startup(app: web.Application) -> None:
         engine.start()
@@ -138,6 +140,36 @@ async def read_body(request: web.Request) -> dict[str, Any]:
         raise bad_request("logprobs, top_logprobs and echo are not supported by this server yet",
                           "logprobs")
     return body
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """{"prompt": text} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}."""
+    body = await read_body(request)
+    renderer = request.app[ENGINE].renderer
+    if "messages" in body:
+        add_prompt = body.get("add_generation_prompt", True)
+        try:
+            tokens = renderer.encode_chat(protocol.chat_messages(body), bool(add_prompt))
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
+        tokens = renderer.encode(prompt)
+    return json_response({"tokens": tokens, "count": len(tokens),
+                          "max_model_len": request.app[CONFIG].model.max_model_len})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """{"tokens": [ids]} -> {"prompt": text}."""
+    body = await read_body(request)
+    tokens = body.get("tokens")
+    vocab = request.app[ENGINE].engine_core.vocab_size
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                               and 0 <= t < vocab for t in tokens):
+        raise bad_request(f"'tokens' must be a list of token IDs in [0, {vocab})", "tokens")
+    return json_response({"prompt": request.app[ENGINE].tokenizer.decode(tokens)})
 
 
 class _Call:

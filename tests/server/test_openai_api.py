@@ -158,3 +158,27 @@ def test_api_key(model_dirs):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_tokenize_and_detokenize(server, offline):
+    tok = offline.get_tokenizer()
+    status, result = post(server + "/tokenize", {"prompt": "hello world"})
+    assert status == 200 and result["tokens"] == tok.encode("hello world") and result["count"] == len(result["tokens"])
+    messages = [{"role": "user", "content": "hi"}]
+    status, chat = post(server + "/tokenize", {"messages": messages})
+    assert chat["tokens"] == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+    status, text = post(server + "/detokenize", {"tokens": result["tokens"]})
+    assert status == 200 and text == {"prompt": "hello world"}
+    status, error = post(server + "/detokenize", {"tokens": [10**7]})
+    assert status == 400 and error["error"]["param"] == "tokens"
