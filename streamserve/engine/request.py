@@ -60,6 +60,8 @@ class EngineCoreOutput(NamedTuple):
     finish_reason: Optional[str]
     stop_reason: Optional[int | str]
     num_cached_tokens: int
+    # Seconds from arrival to first being scheduled; on a request's first output only.
+    queue_time: Optional[float] = None
 
 
 def validate_prompt(prompt_token_ids: list[int], params: SamplingParams,

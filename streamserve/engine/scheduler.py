@@ -12,6 +12,7 @@ the waiting queue, to be recomputed (through the prefix cache where it can).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from streamserve.config import Config
@@ -107,6 +108,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.first_scheduled_time = time.monotonic()
             kv.record_prefix_lookup(request.num_tokens, num_hit)
             num_scheduled[request.request_id] = num_new
             new_reqs.append(NewRequestData(
@@ -150,10 +152,13 @@ class Scheduler:
             token = runner_output.sampled_token_ids[i]
             request.append_output_token(token)
             finished = request.check_stop()
+            queue_time = None
+            if request.num_output_tokens == 1 and request.first_scheduled_time is not None:
+                queue_time = request.first_scheduled_time - request.arrival_time
             outputs.append(EngineCoreOutput(
                 req_id, [token], None if logprobs is None or logprobs[i] is None else [logprobs[i]],
                 request.status.finish_reason if finished else None,
-                request.stop_reason, request.num_cached_tokens))
+                request.stop_reason, request.num_cached_tokens, queue_time))
             if finished:
                 any_finished = True
                 del self.requests[req_id]

@@ -48,6 +48,7 @@ class _ParentState:
     samples: list[_Sample]
     stream: bool = False
     num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
@@ -101,6 +102,8 @@ class OutputProcessor:
             if parent.stream:
                 touched[parent.request_id] = parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.queue_time is not None:
+                parent.metrics.setdefault("queue_time", out.queue_time)
             sample.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None and sample.logprobs is not None:
                 self._add_logprobs(sample, out)
@@ -136,7 +139,7 @@ class OutputProcessor:
                 None if s.logprobs is None else s.logprobs[start:end],
                 s.finish_reason, s.stop_reason))
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
-                             parent.finished, parent.num_cached_tokens)
+                             parent.finished, parent.num_cached_tokens, dict(parent.metrics))
 
     def _add_logprobs(self, sample: _Sample, out: EngineCoreOutput) -> None:
         for token, lp in zip(out.new_token_ids, out.new_logprobs):
@@ -151,4 +154,4 @@ class OutputProcessor:
                                     s.cumulative_logprob, s.logprobs, s.finish_reason, s.stop_reason)
                    for s in parent.samples]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
-                             parent.finished, parent.num_cached_tokens)
+                             parent.finished, parent.num_cached_tokens, dict(parent.metrics))

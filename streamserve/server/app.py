@@ -1,7 +1,7 @@
 """The aiohttp app: OpenAI-compatible completions and chat completions, streamed over SSE.
 
-Routes: GET /health, GET /version, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions. One middleware turns every exception into OpenAI's error
+Routes: GET /health, GET /version, GET /metrics, GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions, POST /tokenize, POST /detokenize. One middleware turns every exception into OpenAI's error
 body with the right status; no stack trace reaches a client.
 """
 
@@ -16,18 +16,21 @@ from typing import Any, AsyncIterator, Optional
 
 import orjson
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 import streamserve
 from streamserve.config import Config
 from streamserve.frontend.async_engine import AsyncEngine
 from streamserve.outputs import RequestOutput
 from streamserve.server import protocol
+from streamserve.server.metrics import Metrics
 from streamserve.server.protocol import APIError, bad_request
 
 logger = logging.getLogger(__name__)
 
 ENGINE = web.AppKey("engine", AsyncEngine)
 READY_LOG = web.AppKey("ready_log", asyncio.Task)
+METRICS = web.AppKey("metrics", Metrics)
 CONFIG = web.AppKey("config", Config)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -56,7 +59,9 @@ def build_app(config: Config, engine: AsyncEngine) -> web.Application:
     app = web.Application(middlewares=[errors_middleware])
     app[CONFIG] = config
     app[ENGINE] = engine
+    app[METRICS] = Metrics(engine, config.served_model_name)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
@@ -98,6 +103,11 @@ async def health(request: web.Request) -> web.Response:
     if not engine.is_ready:
         return json_response({"status": "loading"}, 503)
     return json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[METRICS].render(),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def version(request: web.Request) -> web.Response:
@@ -178,6 +188,7 @@ class _Call:
     def __init__(self, request: web.Request, body: dict[str, Any], chat: bool) -> None:
         config = request.app[CONFIG]
         self.engine = request.app[ENGINE]
+        self.metrics = request.app[METRICS]
         self.chat = chat
         self.model = config.served_model_name
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -206,8 +217,14 @@ class _Call:
         except ValueError as exc:
             raise bad_request(str(exc), "prompt" if not chat else "messages") from None
 
-    def outputs(self) -> AsyncIterator[RequestOutput]:
-        return self.engine.generate(self.prompt_ids, self.params, prompt=self.prompt_text)
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The engine's deltas, observed for /metrics on the way through."""
+        tracker = self.metrics.tracker(len(self.prompt_ids))
+        generate = self.engine.generate(self.prompt_ids, self.params, prompt=self.prompt_text)
+        async with contextlib.aclosing(generate) as deltas:
+            async for delta in deltas:
+                tracker.observe(delta)
+                yield delta
 
     def chunk(self, choices: list[dict[str, Any]], usage: Optional[dict] = None) -> dict[str, Any]:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

@@ -85,3 +85,35 @@ def test_abandoned_streams_are_aborted_and_free_their_blocks(llama_dir):
     free, total, busy, num_aborted = asyncio.run(main())
     assert num_aborted == 18  # every abandoned stream was aborted, none ran to its end
     assert free == total and not busy
+
+
+def test_metrics_count_what_was_served(llama_dir):
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        async with aiohttp.ClientSession() as session:
+            for prompt in ("hello world " * 3, "hello world " * 3 + "again"):
+                await stream_text(session, url, {"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                 "ignore_eos": True})
+            async with session.get(url + "/metrics") as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+                text = await r.text()
+        await runner.cleanup()
+        return text
+
+    text = asyncio.run(main())
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    name = llama_dir
+    assert values[f'streamserve:generation_tokens_total{{model_name="{name}"}}'] == 10
+    assert values[f'streamserve:request_success_total{{finished_reason="length",model_name="{name}"}}'] == 2
+    assert values[f'streamserve:time_to_first_token_seconds_count{{model_name="{name}"}}'] == 2
+    assert values[f'streamserve:inter_token_latency_seconds_count{{model_name="{name}"}}'] == 8
+    assert values[f'streamserve:e2e_request_latency_seconds_count{{model_name="{name}"}}'] == 2
+    assert values[f'streamserve:request_queue_time_seconds_count{{model_name="{name}"}}'] == 2
+    assert values[f'streamserve:num_requests_running{{model_name="{name}"}}'] == 0
+    assert values[f'streamserve:kv_cache_usage_perc{{model_name="{name}"}}'] == 0
+    assert values[f'streamserve:prefix_cache_hits_total{{model_name="{name}"}}'] > 0
+    assert values[f'streamserve:prompt_tokens_total{{model_name="{name}"}}'] > 0
