@@ -184,12 +184,20 @@ class ServerConfig:
     api_key: Optional[str] = field(default=None, metadata={
         "help": "require 'Authorization: Bearer KEY' on /v1 routes"})
     max_n: int = field(default=16, metadata={"help": "largest n (samples per request) accepted"})
+    max_request_bytes: int = field(default=4 * 1024 * 1024, metadata={
+        "help": "largest request body accepted; larger ones get 413"})
+    sse_keepalive_seconds: float = field(default=15.0, metadata={
+        "help": "send an SSE ': keep-alive' comment after this long without a chunk"})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port ({self.port}) must be in [0, 65535]")
         if self.max_n < 1:
             raise ValueError(f"max_n ({self.max_n}) must be >= 1")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes ({self.max_request_bytes}) must be >= 1024")
+        if self.sse_keepalive_seconds <= 0:
+            raise ValueError(f"sse_keepalive_seconds ({self.sse_keepalive_seconds}) must be > 0")
 
 
 @dataclass

@@ -49,14 +49,16 @@ async def errors_middleware(request: web.Request, handler):
         return json_response(exc.body(), exc.status)
     except web.HTTPException as exc:  # aiohttp's own (404 route, 405 method, 413 body size)
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
-        return json_response(APIError(exc.status, exc.reason, type=kind).body(), exc.status)
+        message = exc.text if exc.status == 413 and exc.text else exc.reason
+        return json_response(APIError(exc.status, message, type=kind).body(), exc.status)
     except Exception:
         logger.exception("unhandled error on %s", request.path)
         return json_response(APIError(500, "internal server error", type="server_error").body(), 500)
 
 
 def build_app(config: Config, engine: AsyncEngine) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware])
+    app = web.Application(middlewares=[errors_middleware],
+                          client_max_size=config.server.max_request_bytes)
     app[CONFIG] = config
     app[ENGINE] = engine
     app[METRICS] = Metrics(engine, config.served_model_name)
@@ -194,6 +196,7 @@ class _Call:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.stream, self.include_usage = protocol.stream_options(body)
+        self.keepalive = config.server.sse_keepalive_seconds
         if chat:
             messages = protocol.chat_messages(body)
             try:
@@ -270,6 +273,27 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
                           "model": call.model, "choices": choices, "usage": call.usage(sum(tokens))})
 
 
+async def _with_keepalive(outputs: AsyncIterator[RequestOutput], every: float,
+                          response: web.StreamResponse) -> AsyncIterator[RequestOutput]:
+    """The outputs, with an SSE comment written whenever `every` seconds pass without one
+    (so proxies keep an idle stream open while the request waits)."""
+    pending = asyncio.ensure_future(anext(outputs))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                await response.write(b": keep-alive\n\n")
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            pending = asyncio.ensure_future(anext(outputs))
+    finally:
+        pending.cancel()
+
+
 async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
@@ -281,7 +305,7 @@ async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
                 await send(call.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}
                                        for i in range(call.params.n)]))
-            async for delta in outputs:
+            async for delta in _with_keepalive(outputs, call.keepalive, response):
                 choices = []
                 for s in delta.outputs:
                     completion_tokens += len(s.token_ids)

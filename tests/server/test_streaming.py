@@ -14,8 +14,8 @@ from streamserve.frontend.async_engine import AsyncEngine
 from streamserve.server.app import build_app
 
 
-async def start(model_dir: str):
-    config = Config.from_kwargs(model=model_dir, dtype="float32", kv_cache_memory="32MiB")
+async def start(model_dir: str, **settings):
+    config = Config.from_kwargs(model=model_dir, dtype="float32", kv_cache_memory="32MiB", **settings)
     engine = AsyncEngine(config)
     runner = web.AppRunner(build_app(config, engine))
     await runner.setup()
@@ -117,3 +117,24 @@ def test_metrics_count_what_was_served(llama_dir):
     assert values[f'streamserve:kv_cache_usage_perc{{model_name="{name}"}}'] == 0
     assert values[f'streamserve:prefix_cache_hits_total{{model_name="{name}"}}'] > 0
     assert values[f'streamserve:prompt_tokens_total{{model_name="{name}"}}'] > 0
+
+
+def test_keepalive_comments_and_body_limit(llama_dir):
+    async def main():
+        runner, engine, url = await start(llama_dir, sse_keepalive_seconds=0.0005, max_request_bytes=2048)
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
+            async with session.post(url + "/v1/completions", json=body) as r:
+                raw = (await r.read()).decode()
+            async with session.post(url + "/v1/completions", json={"prompt": "x" * 5000}) as r:
+                too_big = (r.status, await r.json())
+        await runner.cleanup()
+        return raw, too_big
+
+    raw, (status, error) = asyncio.run(main())
+    frames = raw.split("\n\n")
+    assert ": keep-alive" in frames
+    data = [f for f in frames if f.startswith("data: ")]
+    assert data[-1] == "data: [DONE]" and len(data) > 2
+    assert all(f in ("", ": keep-alive") or f.startswith("data: ") for f in frames)
+    assert status == 413 and set(error["error"]) == {"message", "type", "param", "code"}
