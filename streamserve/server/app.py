@@ -70,6 +70,8 @@ def build_app(config: Config, engine: AsyncEngine) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    from streamserve.server.websocket import websocket  # it imports this module's helpers
+    app.router.add_get("/v1/ws", websocket)
 
     async def on_startup(app: web.Application) -> None:
         engine.start()
@@ -133,16 +135,25 @@ def check_api_key(request: web.Request) -> None:
 
 async def read_body(request: web.Request) -> dict[str, Any]:
     check_api_key(request)
-    engine = request.app[ENGINE]
-    if not engine.is_ready:
-        raise APIError(503, "the model is still loading" if engine.load_error is None else
-                       "the engine failed to load", type="service_unavailable")
+    return check_body(request, parse_json(await request.read()))
+
+
+def parse_json(raw: bytes | str) -> dict[str, Any]:
     try:
-        body = orjson.loads(await request.read())
+        body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
+    return body
+
+
+def check_body(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
+    """The checks every generation body passes: engine ready, known model, supported fields."""
+    engine = request.app[ENGINE]
+    if not engine.is_ready:
+        raise APIError(503, "the model is still loading" if engine.load_error is None else
+                       "the engine failed to load", type="service_unavailable")
     model = body.get("model")
     served = request.app[CONFIG].served_model_name
     if model is not None and model != served:
@@ -294,41 +305,53 @@ async def _with_keepalive(outputs: AsyncIterator[RequestOutput], every: float,
         pending.cancel()
 
 
+async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[str, Any]]:
+    """The stream's chunk objects, as OpenAI sends them: the role first (chat), the text
+    deltas, one finish_reason per choice, then the usage chunk when asked for."""
+    completion_tokens = 0
+    if call.chat:  # the first chunk of each choice carries the role
+        yield call.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                           "logprobs": None, "finish_reason": None} for i in range(call.params.n)])
+    async for delta in outputs:
+        choices = []
+        for s in delta.outputs:
+            completion_tokens += len(s.token_ids)
+            if not s.text and s.finish_reason is None:
+                continue
+            choice = {"index": s.index, "logprobs": None, "finish_reason": s.finish_reason}
+            if call.chat:
+                choice["delta"] = {"content": s.text} if s.text else {}
+            else:
+                choice["text"] = s.text
+            choices.append(choice)
+        if choices:
+            yield call.chunk(choices)
+    if call.include_usage:
+        yield call.chunk([], usage=call.usage(completion_tokens))
+
+
+def in_band_error(exc: Exception, what: str) -> APIError:
+    """An error met after a stream started, as the error to send inside it."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, (ValueError, TypeError)):
+        return bad_request(str(exc))
+    logger.error("error while streaming %s", what, exc_info=exc)
+    return APIError(500, "internal server error", type="server_error")
+
+
 async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     send = lambda obj: response.write(b"data: " + orjson.dumps(obj) + b"\n\n")  # noqa: E731
-    completion_tokens = 0
     async with contextlib.aclosing(call.outputs()) as outputs:
         try:
-            if call.chat:  # the first chunk of each choice carries the role
-                await send(call.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}
-                                       for i in range(call.params.n)]))
-            async for delta in _with_keepalive(outputs, call.keepalive, response):
-                choices = []
-                for s in delta.outputs:
-                    completion_tokens += len(s.token_ids)
-                    if not s.text and s.finish_reason is None:
-                        continue
-                    choice = {"index": s.index, "logprobs": None, "finish_reason": s.finish_reason}
-                    if call.chat:
-                        choice["delta"] = {"content": s.text} if s.text else {}
-                    else:
-                        choice["text"] = s.text
-                    choices.append(choice)
-                if choices:
-                    await send(call.chunk(choices))
-            if call.include_usage:
-                await send(call.chunk([], usage=call.usage(completion_tokens)))
+            async for chunk in _chunks(call, _with_keepalive(outputs, call.keepalive, response)):
+                await send(chunk)
         except ConnectionResetError:
             return response  # the client left: closing `outputs` aborts the request
         except Exception as exc:  # after the headers: report in-band, then end the stream
-            logger.exception("error while streaming %s", call.id)
-            error = (exc if isinstance(exc, APIError) else bad_request(str(exc))
-                     if isinstance(exc, (ValueError, TypeError)) else
-                     APIError(500, "internal server error", type="server_error"))
-            await send(error.body())
+            await send(in_band_error(exc, call.id).body())
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

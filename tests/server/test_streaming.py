@@ -138,3 +138,87 @@ def test_keepalive_comments_and_body_limit(llama_dir):
     assert data[-1] == "data: [DONE]" and len(data) > 2
     assert all(f in ("", ": keep-alive") or f.startswith("data: ") for f in frames)
     assert status == 413 and set(error["error"]) == {"message", "type", "param", "code"}
+
+
+def test_websocket_two_streams_a_cancel_and_bad_frames(llama_dir):
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        kv = engine.engine_core.scheduler.kv_cache_manager
+        frames: list[dict] = []
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 12,
+                    "temperature": 0}) as r:
+                expected = (await r.json())["choices"][0]["message"]["content"]
+            async with session.ws_connect(url + "/v1/ws") as ws:
+                await ws.send_str("{not json")
+                await ws.send_json({"type": "request", "id": "x", "endpoint": "nope", "body": {}})
+                await ws.send_json({"type": "request", "id": "a", "endpoint": "chat.completions", "body": {
+                    "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 12,
+                    "temperature": 0}})
+                await ws.send_json({"type": "request", "id": "b", "endpoint": "completions", "body": {
+                    "prompt": "hello " * 20, "max_tokens": 400, "ignore_eos": True}})
+                done = set()
+                cancel_sent = False
+                while done != {"a", "b"}:
+                    frame = await ws.receive_json(timeout=60)
+                    frames.append(frame)
+                    if frame["type"] == "chunk" and frame["id"] == "b" and not cancel_sent:
+                        await ws.send_json({"type": "cancel", "id": "b"})
+                        cancel_sent = True
+                    if frame["type"] == "done":
+                        done.add(frame["id"])
+                # The socket is still open and serves another request.
+                await ws.send_json({"type": "request", "id": "c", "endpoint": "completions",
+                                    "body": {"prompt": "hi", "max_tokens": 2}})
+                while True:
+                    frame = await ws.receive_json(timeout=60)
+                    if frame["type"] == "done" and frame["id"] == "c":
+                        break
+        for _ in range(200):
+            if kv.num_free_blocks == kv.num_blocks:
+                break
+            await asyncio.sleep(0.01)
+        free = (kv.num_free_blocks, kv.num_blocks)
+        await runner.cleanup()
+        return frames, expected, free
+
+    frames, expected, (free, total) = asyncio.run(main())
+    errors = [f for f in frames if f["type"] == "error"]
+    assert [e["id"] for e in errors] == [None, "x"]
+    assert "not valid JSON" in errors[0]["error"]["message"] and errors[1]["error"]["param"] == "endpoint"
+    chunks_a = [f["data"] for f in frames if f["type"] == "chunk" and f["id"] == "a"]
+    assert chunks_a[0]["object"] == "chat.completion.chunk"
+    assert chunks_a[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks_a if c["choices"]) == expected
+    done = {f["id"]: f for f in frames if f["type"] == "done"}
+    assert done["b"].get("cancelled") is True and "cancelled" not in done["a"]
+    b_tokens = sum(1 for f in frames if f["type"] == "chunk" and f["id"] == "b")
+    assert b_tokens < 100  # cancelled long before its 400 tokens
+    assert free == total
+
+
+def test_websocket_authenticates_with_a_first_auth_frame(llama_dir):
+    async def main():
+        runner, engine, url = await start(llama_dir, api_key="sekret")
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(url + "/v1/ws") as ws:
+                request = {"type": "request", "id": "a", "endpoint": "completions",
+                           "body": {"prompt": "hi", "max_tokens": 2}}
+                await ws.send_json(request)
+                refused = await ws.receive_json(timeout=30)
+                await ws.send_json({"type": "auth", "api_key": "wrong"})
+                wrong = await ws.receive_json(timeout=30)
+                await ws.send_json({"type": "auth", "api_key": "sekret"})
+                ok = await ws.receive_json(timeout=30)
+                await ws.send_json(request)
+                kinds = []
+                while not kinds or kinds[-1] != "done":
+                    kinds.append((await ws.receive_json(timeout=30))["type"])
+        await runner.cleanup()
+        return refused, wrong, ok, kinds
+
+    refused, wrong, ok, kinds = asyncio.run(main())
+    assert refused["type"] == "error" and refused["error"]["code"] == "invalid_api_key"
+    assert wrong["type"] == "error" and ok == {"type": "auth", "ok": True}
+    assert kinds[0] == "chunk" and kinds[-1] == "done"

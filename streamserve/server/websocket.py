@@ -1,0 +1,122 @@
+"""GET /v1/ws: many streamed requests at once on one websocket, as JSON text frames.
+
+client -> server
+  {"type": "request", "id": "<client's id>", "endpoint": "chat.completions" | "completions",
+   "body": {<the POST body>}}                      always streamed
+  {"type": "cancel", "id": "..."}
+  {"type": "auth", "api_key": "..."}               first frame, when the server has --api-key
+                                                   and no Authorization header came
+server -> client
+  {"type": "chunk", "id": "...", "data": <exactly what an SSE data line would carry>}
+  {"type": "done", "id": "..."}                    with "cancelled": true after a cancel
+  {"type": "error", "id": "..." | null, "error": {message, type, param, code}}
+A bad frame or request gets an error frame; the socket stays open. Protocol-level
+ping/pong (heartbeat) keeps idle sockets alive through proxies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, Optional
+
+import orjson
+from aiohttp import WSMsgType, web
+
+from streamserve.server.app import CONFIG, _Call, _chunks, check_body, in_band_error, parse_json
+from streamserve.server.protocol import APIError, bad_request
+
+HEARTBEAT_SECONDS = 20.0
+_ENDPOINTS = {"chat.completions": True, "completions": False}
+
+
+class _Socket:
+    def __init__(self, request: web.Request, ws: web.WebSocketResponse) -> None:
+        self.request, self.ws = request, ws
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.lock = asyncio.Lock()  # one frame at a time from the per-request tasks
+        key = request.app[CONFIG].server.api_key
+        self.authenticated = key is None or request.headers.get("Authorization") == f"Bearer {key}"
+
+    async def send(self, frame: dict[str, Any]) -> None:
+        async with self.lock:
+            if not self.ws.closed:
+                await self.ws.send_str(orjson.dumps(frame).decode())
+
+    async def error(self, request_id: Optional[str], exc: APIError) -> None:
+        await self.send({"type": "error", "id": request_id, **exc.body()})
+
+    async def handle(self, raw: str) -> None:
+        try:
+            frame = parse_json(raw)
+        except APIError as exc:
+            return await self.error(None, exc)
+        kind, request_id = frame.get("type"), frame.get("id")
+        if not self.authenticated:
+            key = self.request.app[CONFIG].server.api_key
+            if kind == "auth" and frame.get("api_key") == key:
+                self.authenticated = True
+                return await self.send({"type": "auth", "ok": True})
+            return await self.error(None, APIError(401, "send {\"type\": \"auth\", \"api_key\": ...} "
+                                                   "with the right key first", type="authentication_error",
+                                                   code="invalid_api_key"))
+        if kind == "cancel":
+            task = self.tasks.get(request_id)
+            if task is None:
+                return await self.error(request_id, bad_request(f"no running request with id {request_id!r}", "id"))
+            task.cancel()
+            return
+        if kind != "request":
+            return await self.error(request_id if isinstance(request_id, str) else None,
+                                    bad_request("'type' must be 'request', 'cancel' or 'auth'", "type"))
+        if not isinstance(request_id, str) or not request_id:
+            return await self.error(None, bad_request("a request needs a non-empty string 'id'", "id"))
+        if request_id in self.tasks:
+            return await self.error(request_id, bad_request(f"id {request_id!r} is already running", "id"))
+        endpoint, body = frame.get("endpoint"), frame.get("body")
+        try:
+            if endpoint not in _ENDPOINTS:
+                raise bad_request("'endpoint' must be 'chat.completions' or 'completions'", "endpoint")
+            if not isinstance(body, dict):
+                raise bad_request("'body' must be an object", "body")
+            call = _Call(self.request, check_body(self.request, {**body, "stream": True}), _ENDPOINTS[endpoint])
+        except APIError as exc:
+            return await self.error(request_id, exc)
+        self.tasks[request_id] = asyncio.create_task(self.run(request_id, call))
+
+    async def run(self, request_id: str, call: _Call) -> None:
+        cancelled = False
+        try:
+            async with contextlib.aclosing(call.outputs()) as outputs:
+                async for chunk in _chunks(call, outputs):
+                    await self.send({"type": "chunk", "id": request_id, "data": chunk})
+        except asyncio.CancelledError:
+            cancelled = True  # closing `outputs` above aborted the request in the engine
+        except Exception as exc:
+            await self.error(request_id, in_band_error(exc, call.id))
+        finally:
+            self.tasks.pop(request_id, None)
+        done = {"type": "done", "id": request_id}
+        if cancelled:
+            done["cancelled"] = True
+        await self.send(done)
+
+    async def close(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+
+async def websocket(request: web.Request) -> web.WebSocketResponse:
+    ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS)
+    await ws.prepare(request)
+    sock = _Socket(request, ws)
+    try:
+        async for msg in ws:
+            if msg.type == WSMsgType.TEXT:
+                await sock.handle(msg.data)
+            elif msg.type == WSMsgType.BINARY:
+                await sock.error(None, bad_request("send JSON text frames"))
+    finally:
+        await sock.close()
+    return ws
