@@ -1,0 +1,64 @@
+"""Streaming text: incremental detokenisation and stop strings, one token at a time."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import pytest
+from transformers import AutoTokenizer
+
+from streamserve.engine.request import EngineCoreOutput
+from streamserve.frontend.output_processor import OutputProcessor
+from streamserve.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tok(llama_dir):
+    return AutoTokenizer.from_pretrained(llama_dir)
+
+
+def stream(tok, text: str, params: SamplingParams, finish_at: Optional[int] = None):
+    """Feed `text`'s tokens one per step; return (deltas, final output, aborted ids)."""
+    ids = tok.encode(text)
+    proc = OutputProcessor(tok)
+    proc.add_request("r", None, [1, 2, 3], params, stream=True)
+    deltas, final, aborted = [], None, []
+    last = len(ids) - 1 if finish_at is None else finish_at
+    for i, t in enumerate(ids[:last + 1]):
+        out = proc.process_outputs([EngineCoreOutput("r", [t], None, "length" if i == last else None,
+                                                     None, 0)])
+        deltas += [d.outputs[0].text for d in out.deltas]
+        aborted += out.to_abort
+        if out.finished:
+            final = out.finished[0]
+            break
+    return deltas, final, aborted, ids
+
+
+@pytest.mark.parametrize("text", ["Caf\u00e9 na\u00efve \u4f60\u597d\u4e16\u754c \U0001f600\U0001f680 done",
+                                  "\U0001f600\U0001f600 emoji first", "plain ascii text only"])
+def test_deltas_add_up_to_the_text_and_never_split_a_character(tok, text):
+    deltas, final, _, ids = stream(tok, text, SamplingParams(max_tokens=100))
+    assert len(ids) > 3
+    assert "".join(deltas) == tok.decode(ids) == final.outputs[0].text
+    assert not any("\ufffd" in d for d in deltas)
+    assert len([d for d in deltas if d]) >= 3  # it really streamed
+
+
+def test_a_stop_string_is_never_sent_even_in_part(tok):
+    text = "hello world, the quick brown fox"
+    deltas, final, aborted, _ = stream(tok, text, SamplingParams(max_tokens=100, stop=["quick"]))
+    assert final.outputs[0].text == "hello world, the "
+    assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == "quick"
+    assert aborted == ["r"]  # the engine request ends as soon as the stop string matches
+    sent = ""
+    for d in deltas:
+        sent += d
+        assert "q" not in sent  # no piece of "quick" ever went out
+    assert sent == "hello world, the "
+
+
+def test_include_stop_str_in_output(tok):
+    deltas, final, _, _ = stream(tok, "hello world, the quick brown fox",
+                                 SamplingParams(max_tokens=100, stop=["quick"], include_stop_str_in_output=True))
+    assert "".join(deltas) == final.outputs[0].text == "hello world, the quick"
