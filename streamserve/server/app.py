@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import streamserve
 from streamserve.config import Config
 from streamserve.frontend.async_engine import AsyncEngine
-from streamserve.outputs import RequestOutput
+from streamserve.outputs import Logprob, RequestOutput
 from streamserve.server import protocol
 from streamserve.server.metrics import Metrics
 from streamserve.server.protocol import APIError, bad_request
@@ -159,9 +159,8 @@ def check_body(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
     if model is not None and model != served:
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'",
                        param="model", type="not_found_error", code="model_not_found")
-    if body.get("logprobs") or body.get("top_logprobs") or body.get("echo"):
-        raise bad_request("logprobs, top_logprobs and echo are not supported by this server yet",
-                          "logprobs")
+    if body.get("echo"):
+        raise bad_request("echo is not supported by this server yet", "echo")
     return body
 
 
@@ -195,6 +194,15 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response({"prompt": request.app[ENGINE].tokenizer.decode(tokens)})
 
 
+def _chat_logprob(entry: dict[int, Logprob], n: int) -> dict[str, Any]:
+    """One chat token's logprob entry: the sampled token (first in `entry`) and its top n."""
+    sampled = next(iter(entry.values()))
+    top = sorted((lp for lp in entry.values() if lp.rank <= n), key=lambda lp: lp.rank)[:n]
+    shape = lambda lp: {"token": lp.decoded_token, "logprob": lp.logprob,  # noqa: E731
+                        "bytes": list((lp.decoded_token or "").encode())}
+    return {**shape(sampled), "top_logprobs": [shape(lp) for lp in top]}
+
+
 class _Call:
     """One request on its way: its prompt, params, and how to shape its chunks."""
 
@@ -221,7 +229,8 @@ class _Call:
             self.prompt_ids = self.engine.renderer.encode(prompt) if isinstance(prompt, str) else prompt
         room = config.model.max_model_len - len(self.prompt_ids)
         self.params = protocol.sampling_params(body, config.server.max_n,
-                                               default_max_tokens=None if chat else 16)
+                                               default_max_tokens=None if chat else 16,
+                                               logprobs=protocol.logprobs_setting(body, chat))
         if self.params.max_tokens is not None and self.params.max_tokens > room:
             raise bad_request(f"the prompt has {len(self.prompt_ids)} tokens and max_tokens is "
                               f"{self.params.max_tokens}: together they exceed max_model_len "
@@ -247,6 +256,24 @@ class _Call:
             obj["usage"] = usage
         return obj
 
+    def logprobs(self, entries: Optional[list[dict[int, Logprob]]], text_offset: int) -> Optional[dict]:
+        """OpenAI's logprobs object for these tokens (chat or completions shape)."""
+        if entries is None:
+            return None
+        n = self.params.logprobs or 0
+        if self.chat:
+            return {"content": [_chat_logprob(entry, n) for entry in entries]}
+        tokens, offsets = [], []
+        for entry in entries:
+            offsets.append(text_offset)
+            token = next(iter(entry.values())).decoded_token or ""
+            tokens.append(token)
+            text_offset += len(token)
+        return {"tokens": tokens,
+                "token_logprobs": [next(iter(e.values())).logprob for e in entries],
+                "top_logprobs": [{lp.decoded_token: lp.logprob for lp in e.values()} for e in entries],
+                "text_offset": offsets}
+
     def usage(self, completion_tokens: int) -> dict[str, int]:
         prompt = len(self.prompt_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
@@ -266,19 +293,23 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
         return await _stream(request, call)
     n = call.params.n
     texts, finish, tokens = [""] * n, [None] * n, [0] * n
+    logprobs: list[Optional[list]] = [None if call.params.logprobs is None else [] for _ in range(n)]
     async with contextlib.aclosing(call.outputs()) as outputs:
         async for delta in outputs:
             for s in delta.outputs:
                 texts[s.index] += s.text
                 tokens[s.index] += len(s.token_ids)
                 finish[s.index] = s.finish_reason or finish[s.index]
+                if s.logprobs is not None:
+                    logprobs[s.index] += s.logprobs
     if call.chat:
         choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                    "logprobs": None, "finish_reason": finish[i]} for i in range(n)]
+                    "logprobs": call.logprobs(logprobs[i], 0), "finish_reason": finish[i]}
+                   for i in range(n)]
         kind = "chat.completion"
     else:
-        choices = [{"index": i, "text": texts[i], "logprobs": None, "finish_reason": finish[i]}
-                   for i in range(n)]
+        choices = [{"index": i, "text": texts[i], "logprobs": call.logprobs(logprobs[i], 0),
+                    "finish_reason": finish[i]} for i in range(n)]
         kind = "text_completion"
     return json_response({"id": call.id, "object": kind, "created": call.created,
                           "model": call.model, "choices": choices, "usage": call.usage(sum(tokens))})
@@ -309,6 +340,7 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
     """The stream's chunk objects, as OpenAI sends them: the role first (chat), the text
     deltas, one finish_reason per choice, then the usage chunk when asked for."""
     completion_tokens = 0
+    text_offsets = [0] * call.params.n
     if call.chat:  # the first chunk of each choice carries the role
         yield call.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                            "logprobs": None, "finish_reason": None} for i in range(call.params.n)])
@@ -316,9 +348,12 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
         choices = []
         for s in delta.outputs:
             completion_tokens += len(s.token_ids)
-            if not s.text and s.finish_reason is None:
+            if not s.text and s.finish_reason is None and not s.logprobs:
                 continue
-            choice = {"index": s.index, "logprobs": None, "finish_reason": s.finish_reason}
+            choice = {"index": s.index, "logprobs": call.logprobs(s.logprobs, text_offsets[s.index]),
+                      "finish_reason": s.finish_reason}
+            text_offsets[s.index] += sum(len(next(iter(e.values())).decoded_token or "")
+                                         for e in s.logprobs or ())
             if call.chat:
                 choice["delta"] = {"content": s.text} if s.text else {}
             else:

@@ -40,9 +40,10 @@ _FIELDS = {
 }
 
 
-def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Optional[int]) -> SamplingParams:
+def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Optional[int],
+                    logprobs: Optional[int] = None) -> SamplingParams:
     """Validate the sampling fields of a completions or chat body."""
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"logprobs": logprobs}
     for key, (name, types) in _FIELDS.items():
         value = body.get(key)
         if value is None:
@@ -73,6 +74,26 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
     except (ValueError, TypeError) as exc:
         message = str(exc)
         raise bad_request(message, message.split(" ", 1)[0]) from None
+
+
+def logprobs_setting(body: dict[str, Any], chat: bool) -> Optional[int]:
+    """How many top logprobs to return per token (None: no logprobs). Completions take
+    'logprobs': N; chat takes 'logprobs': true and 'top_logprobs': N."""
+    value, top = body.get("logprobs"), body.get("top_logprobs")
+    if not chat:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad_request("'logprobs' must be an integer", "logprobs")
+        return value
+    if value is not None and not isinstance(value, bool):
+        raise bad_request("'logprobs' must be a boolean", "logprobs")
+    if top is not None:
+        if isinstance(top, bool) or not isinstance(top, int):
+            raise bad_request("'top_logprobs' must be an integer", "top_logprobs")
+        if not value:
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if value else None
 
 
 def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:

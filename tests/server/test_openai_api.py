@@ -182,3 +182,36 @@ def test_tokenize_and_detokenize(server, offline):
     assert status == 200 and text == {"prompt": "hello world"}
     status, error = post(server + "/detokenize", {"tokens": [10**7]})
     assert status == 400 and error["error"]["param"] == "tokens"
+
+
+def test_completion_logprobs_match_the_engine(client, offline):
+    result = client.completions.create(model="tiny", prompt="hello world", max_tokens=6, temperature=0,
+                                       logprobs=2)
+    expected = offline.generate("hello world", SamplingParams(temperature=0, max_tokens=6, logprobs=2),
+                                use_tqdm=False)[0].outputs[0]
+    lp = result.choices[0].logprobs
+    want = [entry[t].logprob for entry, t in zip(expected.logprobs, expected.token_ids)]
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert lp.token_logprobs == pytest.approx(want, abs=1e-5)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_chat_logprobs_streamed_and_not(client):
+    messages = [{"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+               for c in content)
+    assert all(c.logprob == c.top_logprobs[0].logprob for c in content)  # greedy: the best token
+    streamed = [c for chunk in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2,
+        stream=True) if chunk.choices and chunk.choices[0].logprobs
+        for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="tiny", messages=messages, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.completions.create(model="tiny", prompt="hi", logprobs=21)
