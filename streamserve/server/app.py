@@ -159,8 +159,6 @@ def check_body(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
     if model is not None and model != served:
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'",
                        param="model", type="not_found_error", code="model_not_found")
-    if body.get("echo"):
-        raise bad_request("echo is not supported by this server yet", "echo")
     return body
 
 
@@ -227,6 +225,9 @@ class _Call:
             prompt = protocol.completion_prompt(body)
             self.prompt_text = prompt if isinstance(prompt, str) else None
             self.prompt_ids = self.engine.renderer.encode(prompt) if isinstance(prompt, str) else prompt
+        self.echo = protocol.echo_setting(body, chat)
+        if self.echo and self.prompt_text is None:
+            self.prompt_text = self.engine.tokenizer.decode(self.prompt_ids)
         room = config.model.max_model_len - len(self.prompt_ids)
         self.params = protocol.sampling_params(body, config.server.max_n,
                                                default_max_tokens=None if chat else 16,
@@ -308,7 +309,8 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
                    for i in range(n)]
         kind = "chat.completion"
     else:
-        choices = [{"index": i, "text": texts[i], "logprobs": call.logprobs(logprobs[i], 0),
+        echo = call.prompt_text if call.echo else ""
+        choices = [{"index": i, "text": echo + texts[i], "logprobs": call.logprobs(logprobs[i], 0),
                     "finish_reason": finish[i]} for i in range(n)]
         kind = "text_completion"
     return json_response({"id": call.id, "object": kind, "created": call.created,
@@ -344,6 +346,9 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
     if call.chat:  # the first chunk of each choice carries the role
         yield call.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                            "logprobs": None, "finish_reason": None} for i in range(call.params.n)])
+    elif call.echo:  # echo: the prompt comes first
+        yield call.chunk([{"index": i, "text": call.prompt_text, "logprobs": None, "finish_reason": None}
+                          for i in range(call.params.n)])
     async for delta in outputs:
         choices = []
         for s in delta.outputs:

@@ -96,6 +96,19 @@ def logprobs_setting(body: dict[str, Any], chat: bool) -> Optional[int]:
     return (top or 0) if value else None
 
 
+def echo_setting(body: dict[str, Any], chat: bool) -> bool:
+    echo = body.get("echo", False)
+    if not echo:
+        return False
+    if chat:
+        raise bad_request("'echo' is a completions field", "echo")
+    if not isinstance(echo, bool):
+        raise bad_request("'echo' must be a boolean", "echo")
+    if body.get("logprobs") is not None:
+        raise bad_request("'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
+    return True
+
+
 def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     """(stream, include_usage)."""
     stream = body.get("stream", False)

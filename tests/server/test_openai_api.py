@@ -215,3 +215,13 @@ def test_chat_logprobs_streamed_and_not(client):
         client.chat.completions.create(model="tiny", messages=messages, top_logprobs=2)
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.completions.create(model="tiny", prompt="hi", logprobs=21)
+
+
+def test_echo_puts_the_prompt_first(client):
+    plain = client.completions.create(model="tiny", prompt="hello world", max_tokens=5, temperature=0)
+    echoed = client.completions.create(model="tiny", prompt="hello world", max_tokens=5, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == "hello world" + plain.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="hello world", max_tokens=5, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == echoed.choices[0].text

@@ -222,3 +222,43 @@ def test_websocket_authenticates_with_a_first_auth_frame(llama_dir):
     assert refused["type"] == "error" and refused["error"]["code"] == "invalid_api_key"
     assert wrong["type"] == "error" and ok == {"type": "auth", "ok": True}
     assert kinds[0] == "chunk" and kinds[-1] == "done"
+
+
+def test_health_says_loading_until_the_engine_is_ready(llama_dir, monkeypatch):
+    import threading
+
+    import streamserve.frontend.async_engine as async_engine
+
+    release = threading.Event()
+    real = async_engine.EngineCore
+
+    def slow_engine(config):
+        release.wait(30)
+        return real(config)
+
+    monkeypatch.setattr(async_engine, "EngineCore", slow_engine)
+
+    async def main():
+        config = Config.from_kwargs(model=llama_dir, dtype="float32", kv_cache_memory="16MiB")
+        engine = AsyncEngine(config)
+        runner = web.AppRunner(build_app(config, engine))
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/health") as r:
+                loading = (r.status, await r.json())
+            async with session.post(url + "/v1/completions", json={"prompt": "hi"}) as r:
+                early = (r.status, (await r.json())["error"]["type"])
+            release.set()
+            await engine.wait_ready()
+            async with session.get(url + "/health") as r:
+                ready = (r.status, await r.json())
+        await runner.cleanup()
+        return loading, early, ready
+
+    loading, early, ready = asyncio.run(main())
+    assert loading == (503, {"status": "loading"})
+    assert early == (503, "service_unavailable")
+    assert ready == (200, {"status": "ok"})
