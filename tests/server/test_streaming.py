@@ -262,3 +262,35 @@ def test_health_says_loading_until_the_engine_is_ready(llama_dir, monkeypatch):
     assert loading == (503, {"status": "loading"})
     assert early == (503, "service_unavailable")
     assert ready == (200, {"status": "ok"})
+
+
+def test_an_engine_failure_mid_stream_is_sent_in_band_and_the_engine_survives(llama_dir):
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        core = engine.engine_core
+        real_step, calls = core.step, []
+
+        def flaky_step():
+            calls.append(1)
+            if len(calls) == 4:
+                raise RuntimeError("injected failure")
+            return real_step()
+
+        core.step = flaky_step
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "hello", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stream": True}
+            async with session.post(url + "/v1/completions", json=body) as r:
+                raw = (await r.read()).decode()
+            after = await stream_text(session, url, {"prompt": "hello", "max_tokens": 3, "temperature": 0})
+        kv = core.scheduler.kv_cache_manager
+        free = (kv.num_free_blocks, kv.num_blocks)
+        await runner.cleanup()
+        return raw, after, free
+
+    raw, after, (free, total) = asyncio.run(main())
+    frames = [f for f in raw.split("\n\n") if f]
+    assert frames[-1] == "data: [DONE]"
+    error = json.loads(frames[-2][6:])["error"]
+    assert error["type"] == "server_error" and "Traceback" not in raw and "injected" not in raw
+    assert after  # the next request is served
+    assert free == total
