@@ -72,29 +72,58 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
+    """Listen at once; load (and on first use fetch and convert) the model behind it."""
     import asyncio
     import logging
 
-    from aiohttp import web
-
-    from streamserve.frontend.async_engine import AsyncEngine
-    from streamserve.server.app import build_app
+    from streamserve.models.resolve import DEFAULT_MODEL
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kwargs = config_kwargs(args)
+    server_names = {f.name for f in Config.part_fields()["server"]}
     try:
-        config = Config.from_kwargs(**config_kwargs(args))
-        engine = AsyncEngine(config)
+        server = ServerConfig(**{k: v for k, v in kwargs.items() if k in server_names})
     except (ValueError, TypeError) as exc:
         print(f"streamserve: error: {exc}", file=sys.stderr)
         return 2
+    model_name = server.served_model_name or args.model or DEFAULT_MODEL
     try:
         import uvloop
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
     except ImportError:
         pass
-    web.run_app(build_app(config, engine), host=config.server.host, port=config.server.port,
-                print=lambda line: logging.getLogger("streamserve").info(line.strip()))
-    return 0
+    try:
+        return asyncio.run(_serve(server, model_name, lambda: Config.from_kwargs(**kwargs)))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve(server: ServerConfig, model_name: str, make_config) -> int:
+    import asyncio
+    import logging
+
+    from aiohttp import web
+
+    from streamserve.frontend.async_engine import AsyncEngine, EngineDeadError
+    from streamserve.server.app import build_app
+
+    log = logging.getLogger("streamserve")
+    engine = AsyncEngine(make_config)
+    runner = web.AppRunner(build_app(engine, server, model_name))
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, server.host, server.port).start()
+        log.info("listening on http://%s:%d (GET /health says when the model is ready)",
+                 server.host, server.port)
+        try:
+            await engine.wait_ready()
+        except EngineDeadError as exc:
+            print(f"streamserve: error: {exc.__cause__ or exc}", file=sys.stderr)
+            return 2
+        await asyncio.Event().wait()  # serve until interrupted
+        return 0
+    finally:
+        await runner.cleanup()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

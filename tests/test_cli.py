@@ -47,3 +47,15 @@ def test_a_bad_model_path_is_one_clear_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().startswith("streamserve: error: model")
     assert "Traceback" not in result.stderr
+
+
+def test_the_server_with_a_bad_model_exits_with_one_clear_line(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = run_cli("--model", str(tmp_path / "nowhere"), "--port", str(port))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("streamserve: error: model")
+    assert "Traceback" not in result.stderr

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional, Union
 
 from streamserve.config import Config
 from streamserve.engine.core import EngineCore
@@ -40,11 +40,14 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.tokenizer = load_tokenizer(config.model.tokenizer)
-        self.renderer = Renderer(self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+    """`config` may be a function that builds the Config: then resolving the model (which
+    may fetch and convert it) also happens on the engine thread, and a server in front of
+    it listens at once. Everything model-dependent exists once `is_ready`."""
+
+    def __init__(self, config: Union[Config, Callable[[], Config]]) -> None:
+        self._make_config = config if callable(config) else (lambda: config)
+        self.config: Optional[Config] = None
+        self.tokenizer = self.renderer = self.output_processor = None
         self.input_processor: Optional[InputProcessor] = None  # needs the vocabulary size
         self.engine_core: Optional[EngineCore] = None  # built on the engine thread
         self.load_error: Optional[BaseException] = None
@@ -133,9 +136,14 @@ class AsyncEngine:
 
     def _engine_main(self) -> None:
         try:
-            core = EngineCore(self.config)
+            self.config = config = self._make_config()
+            self.tokenizer = load_tokenizer(config.model.tokenizer)
+            self.renderer = Renderer(self.tokenizer)
+            self.output_processor = OutputProcessor(self.tokenizer)
+            core = EngineCore(config)
         except BaseException as exc:  # a load failure must reach /health, not kill silently
-            logger.exception("engine failed to load")
+            if not isinstance(exc, (ValueError, TypeError)):  # those already say what is wrong
+                logger.exception("engine failed to load")
             self.load_error = exc
             self._loop.call_soon_threadsafe(self._ready.set)
             return

@@ -12,14 +12,14 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, NamedTuple, Optional
 
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import streamserve
-from streamserve.config import Config
+from streamserve.config import ServerConfig
 from streamserve.frontend.async_engine import AsyncEngine
 from streamserve.outputs import Logprob, RequestOutput
 from streamserve.server import protocol
@@ -28,10 +28,17 @@ from streamserve.server.protocol import APIError, bad_request
 
 logger = logging.getLogger(__name__)
 
+class Serving(NamedTuple):
+    """What the app knows before the model is loaded."""
+
+    server: ServerConfig
+    model_name: str  # the name clients use
+
+
 ENGINE = web.AppKey("engine", AsyncEngine)
 READY_LOG = web.AppKey("ready_log", asyncio.Task)
 METRICS = web.AppKey("metrics", Metrics)
-CONFIG = web.AppKey("config", Config)
+CONFIG = web.AppKey("serving", Serving)
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -56,12 +63,12 @@ async def errors_middleware(request: web.Request, handler):
         return json_response(APIError(500, "internal server error", type="server_error").body(), 500)
 
 
-def build_app(config: Config, engine: AsyncEngine) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware],
-                          client_max_size=config.server.max_request_bytes)
-    app[CONFIG] = config
+def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web.Application:
+    """The app; it listens while `engine` loads (on_startup starts the loading)."""
+    app = web.Application(middlewares=[errors_middleware], client_max_size=server.max_request_bytes)
+    app[CONFIG] = Serving(server, model_name)
     app[ENGINE] = engine
-    app[METRICS] = Metrics(engine, config.served_model_name)
+    app[METRICS] = Metrics(engine, model_name)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
@@ -75,7 +82,7 @@ def build_app(config: Config, engine: AsyncEngine) -> web.Application:
 
     async def on_startup(app: web.Application) -> None:
         engine.start()
-        app[READY_LOG] = asyncio.create_task(_log_when_ready(config, engine))
+        app[READY_LOG] = asyncio.create_task(_log_when_ready(model_name, engine))
 
     async def on_cleanup(app: web.Application) -> None:
         await engine.shutdown()
@@ -85,17 +92,18 @@ def build_app(config: Config, engine: AsyncEngine) -> web.Application:
     return app
 
 
-async def _log_when_ready(config: Config, engine: AsyncEngine) -> None:
+async def _log_when_ready(model_name: str, engine: AsyncEngine) -> None:
     try:
         await engine.wait_ready()
     except Exception as exc:
         logger.error("%s", exc)
         return
+    config = engine.config
     runner = engine.engine_core.model_runner
     tokens = runner.num_blocks * config.cache.block_size
     logger.info("ready: model %s (%s), dtype %s (computing in %s), device %s, %d KV blocks "
                 "(%d tokens), up to %.1f sequences of max_model_len %d at once",
-                config.served_model_name, config.model.model, config.model.torch_dtype, runner.dtype,
+                model_name, config.model.model, config.model.torch_dtype, runner.dtype,
                 config.device.device, runner.num_blocks, tokens, tokens / config.model.max_model_len,
                 config.model.max_model_len)
 
@@ -119,11 +127,11 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
-    config = request.app[CONFIG]
     check_api_key(request)
+    check_ready(request)
     return json_response({"object": "list", "data": [{
-        "id": config.served_model_name, "object": "model", "created": 0, "owned_by": "streamserve",
-        "max_model_len": config.model.max_model_len}]})
+        "id": request.app[CONFIG].model_name, "object": "model", "created": 0, "owned_by": "streamserve",
+        "max_model_len": request.app[ENGINE].config.model.max_model_len}]})
 
 
 def check_api_key(request: web.Request) -> None:
@@ -148,14 +156,18 @@ def parse_json(raw: bytes | str) -> dict[str, Any]:
     return body
 
 
-def check_body(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
-    """The checks every generation body passes: engine ready, known model, supported fields."""
+def check_ready(request: web.Request) -> None:
     engine = request.app[ENGINE]
     if not engine.is_ready:
         raise APIError(503, "the model is still loading" if engine.load_error is None else
                        "the engine failed to load", type="service_unavailable")
+
+
+def check_body(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
+    """The checks every generation body passes: engine ready, known model."""
+    check_ready(request)
     model = body.get("model")
-    served = request.app[CONFIG].served_model_name
+    served = request.app[CONFIG].model_name
     if model is not None and model != served:
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'",
                        param="model", type="not_found_error", code="model_not_found")
@@ -178,7 +190,7 @@ async def tokenize(request: web.Request) -> web.Response:
             raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
         tokens = renderer.encode(prompt)
     return json_response({"tokens": tokens, "count": len(tokens),
-                          "max_model_len": request.app[CONFIG].model.max_model_len})
+                          "max_model_len": request.app[ENGINE].config.model.max_model_len})
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -205,15 +217,16 @@ class _Call:
     """One request on its way: its prompt, params, and how to shape its chunks."""
 
     def __init__(self, request: web.Request, body: dict[str, Any], chat: bool) -> None:
-        config = request.app[CONFIG]
+        serving = request.app[CONFIG]
         self.engine = request.app[ENGINE]
+        max_model_len = self.engine.config.model.max_model_len
         self.metrics = request.app[METRICS]
         self.chat = chat
-        self.model = config.served_model_name
+        self.model = serving.model_name
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.stream, self.include_usage = protocol.stream_options(body)
-        self.keepalive = config.server.sse_keepalive_seconds
+        self.keepalive = serving.server.sse_keepalive_seconds
         if chat:
             messages = protocol.chat_messages(body)
             try:
@@ -228,14 +241,14 @@ class _Call:
         self.echo = protocol.echo_setting(body, chat)
         if self.echo and self.prompt_text is None:
             self.prompt_text = self.engine.tokenizer.decode(self.prompt_ids)
-        room = config.model.max_model_len - len(self.prompt_ids)
-        self.params = protocol.sampling_params(body, config.server.max_n,
+        room = max_model_len - len(self.prompt_ids)
+        self.params = protocol.sampling_params(body, serving.server.max_n,
                                                default_max_tokens=None if chat else 16,
                                                logprobs=protocol.logprobs_setting(body, chat))
         if self.params.max_tokens is not None and self.params.max_tokens > room:
             raise bad_request(f"the prompt has {len(self.prompt_ids)} tokens and max_tokens is "
                               f"{self.params.max_tokens}: together they exceed max_model_len "
-                              f"({config.model.max_model_len})", "max_tokens")
+                              f"({max_model_len})", "max_tokens")
         try:
             self.engine.input_processor.validate(self.prompt_ids, self.params)
         except ValueError as exc:

@@ -17,7 +17,7 @@ from streamserve.server.app import build_app
 async def start(model_dir: str, **settings):
     config = Config.from_kwargs(model=model_dir, dtype="float32", kv_cache_memory="32MiB", **settings)
     engine = AsyncEngine(config)
-    runner = web.AppRunner(build_app(config, engine))
+    runner = web.AppRunner(build_app(engine, config.server, config.served_model_name))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -224,24 +224,22 @@ def test_websocket_authenticates_with_a_first_auth_frame(llama_dir):
     assert kinds[0] == "chunk" and kinds[-1] == "done"
 
 
-def test_health_says_loading_until_the_engine_is_ready(llama_dir, monkeypatch):
+def test_health_says_loading_until_the_model_is_resolved_and_loaded(llama_dir):
+    """The config (model resolution: fetch, convert) is built on the engine thread, so the
+    server answers while it happens."""
     import threading
 
-    import streamserve.frontend.async_engine as async_engine
+    from streamserve.config import ServerConfig
 
     release = threading.Event()
-    real = async_engine.EngineCore
 
-    def slow_engine(config):
+    def slow_config():
         release.wait(30)
-        return real(config)
-
-    monkeypatch.setattr(async_engine, "EngineCore", slow_engine)
+        return Config.from_kwargs(model=llama_dir, dtype="float32", kv_cache_memory="16MiB")
 
     async def main():
-        config = Config.from_kwargs(model=llama_dir, dtype="float32", kv_cache_memory="16MiB")
-        engine = AsyncEngine(config)
-        runner = web.AppRunner(build_app(config, engine))
+        engine = AsyncEngine(slow_config)
+        runner = web.AppRunner(build_app(engine, ServerConfig(), "tiny"))
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -251,17 +249,22 @@ def test_health_says_loading_until_the_engine_is_ready(llama_dir, monkeypatch):
                 loading = (r.status, await r.json())
             async with session.post(url + "/v1/completions", json={"prompt": "hi"}) as r:
                 early = (r.status, (await r.json())["error"]["type"])
+            async with session.get(url + "/v1/models") as r:
+                early_models = r.status
             release.set()
             await engine.wait_ready()
             async with session.get(url + "/health") as r:
                 ready = (r.status, await r.json())
+            async with session.get(url + "/v1/models") as r:
+                models = (await r.json())["data"][0]
         await runner.cleanup()
-        return loading, early, ready
+        return loading, early, early_models, ready, models
 
-    loading, early, ready = asyncio.run(main())
+    loading, early, early_models, ready, models = asyncio.run(main())
     assert loading == (503, {"status": "loading"})
-    assert early == (503, "service_unavailable")
+    assert early == (503, "service_unavailable") and early_models == 503
     assert ready == (200, {"status": "ok"})
+    assert models["id"] == "tiny" and models["max_model_len"] == 512
 
 
 def test_an_engine_failure_mid_stream_is_sent_in_band_and_the_engine_survives(llama_dir):
