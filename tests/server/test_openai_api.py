@@ -225,3 +225,12 @@ def test_echo_puts_the_prompt_first(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="tiny", prompt="hello world", max_tokens=5, temperature=0, echo=True, stream=True) if c.choices)
     assert streamed == echoed.choices[0].text
+
+
+def test_more_bad_requests_are_400_with_the_field_named(server):
+    cases = [({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
+             ({"prompt": "hi", "n": 17}, "n"), ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+             ({"prompt": "hi", "temperature": "hot"}, "temperature"), ({"prompt": ""}, "prompt")]
+    for body, param in cases:
+        status, error = post(server + "/v1/completions", body)
+        assert status == 400 and error["error"]["param"] == param, (body, error)

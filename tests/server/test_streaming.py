@@ -297,3 +297,57 @@ def test_an_engine_failure_mid_stream_is_sent_in_band_and_the_engine_survives(ll
     assert error["type"] == "server_error" and "Traceback" not in raw and "injected" not in raw
     assert after  # the next request is served
     assert free == total
+
+
+def test_closing_a_websocket_aborts_its_requests(llama_dir):
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        core = engine.engine_core
+        aborted: list[str] = []
+        abort = core.abort_requests
+        core.abort_requests = lambda ids: (aborted.extend(ids), abort(ids))
+        kv = core.scheduler.kv_cache_manager
+        async with aiohttp.ClientSession() as session:
+            ws = await session.ws_connect(url + "/v1/ws")
+            for rid in ("a", "b"):
+                await ws.send_json({"type": "request", "id": rid, "endpoint": "completions", "body": {
+                    "prompt": "hello " * 20, "max_tokens": 400, "ignore_eos": True}})
+            seen = set()
+            while seen != {"a", "b"}:
+                seen.add((await ws.receive_json(timeout=30))["id"])
+            await ws.close()
+        for _ in range(300):
+            if not core.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks:
+                break
+            await asyncio.sleep(0.01)
+        result = (len(set(aborted)), kv.num_free_blocks == kv.num_blocks)
+        await runner.cleanup()
+        return result
+
+    assert asyncio.run(main()) == (2, True)
+
+
+def test_sse_bytes_with_aiohttps_client(llama_dir):
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        async with aiohttp.ClientSession() as session:
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            async with session.post(url + "/v1/chat/completions", json=body) as r:
+                headers, raw = dict(r.headers), await r.read()
+        await runner.cleanup()
+        return headers, raw
+
+    headers, raw = asyncio.run(main())
+    assert headers["Content-Type"] == "text/event-stream"
+    assert headers["Cache-Control"] == "no-cache" and headers["X-Accel-Buffering"] == "no"
+    assert raw.endswith(b"\n\ndata: [DONE]\n\n")
+    frames = raw[:-len(b"data: [DONE]\n\n")].split(b"\n\n")[:-1]
+    objects = [json.loads(f.removeprefix(b"data: ")) for f in frames]
+    assert all(f.startswith(b"data: {") for f in frames)
+    assert all(f == b"data: " + json.dumps(o, separators=(",", ":"), ensure_ascii=False).encode()
+               for f, o in zip(frames, objects))  # compact JSON, one object per frame
+    assert objects[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [o["choices"][0]["finish_reason"] for o in objects[1:-1]][-1] == "length"
+    assert objects[-1]["choices"] == [] and objects[-1]["usage"]["completion_tokens"] == 3
+    assert len({o["id"] for o in objects}) == 1 and objects[0]["object"] == "chat.completion.chunk"
