@@ -134,9 +134,14 @@ async def models(request: web.Request) -> web.Response:
         "max_model_len": request.app[ENGINE].config.model.max_model_len}]})
 
 
-def check_api_key(request: web.Request) -> None:
+def api_key_ok(request: web.Request, given: Optional[str] = None) -> bool:
+    """True without --api-key, or when the key came as `Authorization: Bearer KEY` or `given`."""
     key = request.app[CONFIG].server.api_key
-    if key is not None and request.headers.get("Authorization") != f"Bearer {key}":
+    return key is None or given == key or request.headers.get("Authorization") == f"Bearer {key}"
+
+
+def check_api_key(request: web.Request) -> None:
+    if not api_key_ok(request):
         raise APIError(401, "missing or wrong API key", type="authentication_error",
                        code="invalid_api_key")
 

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import orjson
 from aiohttp import WSMsgType, web
 
-from streamserve.server.app import CONFIG, _Call, _chunks, check_body, in_band_error, parse_json
+from streamserve.server.app import _Call, _chunks, api_key_ok, check_body, in_band_error, parse_json
 from streamserve.server.protocol import APIError, bad_request
 
 HEARTBEAT_SECONDS = 20.0
@@ -35,8 +35,7 @@ class _Socket:
         self.request, self.ws = request, ws
         self.tasks: dict[str, asyncio.Task] = {}
         self.lock = asyncio.Lock()  # one frame at a time from the per-request tasks
-        key = request.app[CONFIG].server.api_key
-        self.authenticated = key is None or request.headers.get("Authorization") == f"Bearer {key}"
+        self.authenticated = api_key_ok(request)
 
     async def send(self, frame: dict[str, Any]) -> None:
         async with self.lock:
@@ -53,8 +52,8 @@ class _Socket:
             return await self.error(None, exc)
         kind, request_id = frame.get("type"), frame.get("id")
         if not self.authenticated:
-            key = self.request.app[CONFIG].server.api_key
-            if kind == "auth" and frame.get("api_key") == key:
+            if kind == "auth" and isinstance(frame.get("api_key"), str) \
+                    and api_key_ok(self.request, frame["api_key"]):
                 self.authenticated = True
                 return await self.send({"type": "auth", "ok": True})
             return await self.error(None, APIError(401, "send {\"type\": \"auth\", \"api_key\": ...} "
