@@ -55,7 +55,6 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._queues: dict[str, asyncio.Queue] = {}
-        self._children: dict[str, list[str]] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._ready: Optional[asyncio.Event] = None
@@ -104,7 +103,6 @@ class AsyncEngine:
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params,
                                                      stream=True)
         self._queues[request_id] = queue
-        self._children[request_id] = children
         self._send("add", self.input_processor.process(children, prompt_token_ids, params,
                                                        time.monotonic()))
         finished = False
@@ -118,7 +116,6 @@ class AsyncEngine:
                 yield item
         finally:
             self._queues.pop(request_id, None)
-            self._children.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
 
@@ -194,7 +191,9 @@ class AsyncEngine:
             if queue is not None:
                 queue.put_nowait(delta)
         for child_id, exc in refused:
-            parent_id = next((p for p, c in self._children.items() if child_id in c), None)
+            parent_id = self.output_processor.parent_of(child_id)
             if parent_id is not None:
                 self.abort(parent_id)
-                self._queues[parent_id].put_nowait(exc)
+                queue = self._queues.get(parent_id)
+                if queue is not None:
+                    queue.put_nowait(exc)

@@ -86,6 +86,11 @@ class OutputProcessor:
             del self.child_to_sample[child_id]
         return child_ids
 
+    def parent_of(self, child_id: str) -> Optional[str]:
+        """The request an unfinished engine request belongs to."""
+        entry = self.child_to_sample.get(child_id)
+        return None if entry is None else entry[0].request_id
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
