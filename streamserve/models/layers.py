@@ -39,7 +39,8 @@ class Linear(nn.Module):
 
     On a CPU without fast bfloat16 GEMMs, a bfloat16 checkpoint runs in float32,
     but steps of a few tokens are bound by reading the weights, not by compute:
-    for those, the half-size bfloat16 copy is faster (`ForwardContext.low_precision`).
+    for those, the half-size bfloat16 copy is faster (`ForwardContext.low_precision`),
+    read by the CPU GEMV kernel (cpu_gemv.py) where it builds, else by torch.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -47,14 +48,20 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.low_precision_weight: Optional[torch.Tensor] = None
+        self.gemv: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
 
-    def keep_low_precision_copy(self, dtype: torch.dtype) -> None:
-        self.low_precision_weight = self.weight.detach().to(dtype)
+    def keep_low_precision_copy(self, dtype: torch.dtype, gemv=None) -> None:
+        """Keep a `dtype` copy of the weight, read by `gemv(x, w)` when given."""
+        self.low_precision_weight = self.weight.detach().to(dtype).contiguous()
+        self.gemv = gemv
 
     def forward(self, x: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
         w = self.low_precision_weight
         if low_precision and w is not None:
-            out = F.linear(x.to(w.dtype), w).to(x.dtype)
+            if self.gemv is not None and x.dtype == torch.float32:
+                out = self.gemv(x, w)
+            else:
+                out = F.linear(x.to(w.dtype), w).to(x.dtype)
             return out if self.bias is None else out + self.bias
         return F.linear(x, self.weight, self.bias)
 

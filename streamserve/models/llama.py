@@ -155,11 +155,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
         return self.lm_head(hidden, low_precision)
 
-    def keep_low_precision_copies(self, dtype: torch.dtype) -> None:
-        """Keep `dtype` copies of every linear weight for steps of a few tokens."""
+    def keep_low_precision_copies(self, dtype: torch.dtype, gemv=None) -> None:
+        """Keep `dtype` copies of every linear weight for steps of a few tokens,
+        read by `gemv(x, w)` when given (the CPU kernel), else by torch."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.keep_low_precision_copy(dtype)
+                module.keep_low_precision_copy(dtype, gemv)
 
     # -- weights ---------------------------------------------------------------
 

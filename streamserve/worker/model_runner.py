@@ -16,6 +16,7 @@ import torch
 
 from streamserve.config import Config
 from streamserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from streamserve.models import cpu_gemv
 from streamserve.models.loader import load_model
 from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
 from streamserve.worker.request_state import RequestState
@@ -24,7 +25,7 @@ from streamserve.worker.sampler import Sampler
 logger = logging.getLogger(__name__)
 
 # Steps of at most this many tokens read the low-precision weight copies (see choose_dtypes).
-LOW_PRECISION_MAX_TOKENS = 4
+LOW_PRECISION_MAX_TOKENS = 16
 
 
 def choose_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, Optional[torch.dtype]]:
@@ -53,10 +54,12 @@ class ModelRunner:
         self.model = load_model(config.model, self.device, self.dtype)
         self.use_low_precision = low_precision is not None
         if low_precision is not None:
+            kernels = cpu_gemv.load()
+            gemv = kernels and kernels.get(low_precision)
             logger.info("%s GEMMs are slow on this CPU: computing in float32, with %s weight copies "
-                        "for steps of at most %d tokens", low_precision, low_precision,
-                        LOW_PRECISION_MAX_TOKENS)
-            self.model.keep_low_precision_copies(low_precision)
+                        "read by %s for steps of at most %d tokens", low_precision, low_precision,
+                        "the CPU GEMV kernel" if gemv else "torch", LOW_PRECISION_MAX_TOKENS)
+            self.model.keep_low_precision_copies(low_precision, gemv)
         arch = self.model.arch
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.num_blocks = self._determine_num_blocks()

@@ -1,0 +1,76 @@
+/* Matrix times a few vectors for the CPU's small steps: y = x @ w.T with x float32 [M, K]
+ * (M small), w bfloat16 or float16 [N, K] (row-major, as nn.Linear keeps it), y float32 [M, N].
+ *
+ * A step of a few tokens reads every weight once, so it is bound by memory bandwidth.
+ * Reading half-size weights and widening them in registers (bfloat16: a 16-bit shift;
+ * float16: F16C) halves the bytes of a float32 GEMV, and unlike oneDNN's emulated
+ * bfloat16 path on CPUs without AVX512-BF16, it costs no extra passes over memory.
+ * Rows of w are split across OpenMP threads (the same runtime torch uses); each row
+ * is read once for all M vectors, four at a time, with float32 accumulators.
+ * Needs AVX2 + FMA (+ F16C for float16); built and loaded by cpu_gemv.py.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline __m256 widen_bf16(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline __m256 widen_f16(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline float scalar_bf16(uint16_t h) {
+    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
+    return v.f;
+}
+
+static inline float scalar_f16(uint16_t h) {
+    return _cvtsh_ss(h);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One weight row against up to four vectors (mb of them, starting at row m0 of x). */
+#define ROW_TIMES_VECTORS(WIDEN, SCALAR)                                                   \
+    for (long m0 = 0; m0 < M; m0 += 4) {                                                    \
+        const long mb = M - m0 < 4 ? M - m0 : 4;                                            \
+        const float *xb = x + m0 * K;                                                       \
+        __m256 acc[4][2];                                                                   \
+        for (int m = 0; m < 4; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();            \
+        long k = 0;                                                                         \
+        for (; k + 16 <= K; k += 16) {                                                      \
+            const __m256 w0 = WIDEN(wr + k), w1 = WIDEN(wr + k + 8);                        \
+            for (long m = 0; m < mb; m++) {                                                 \
+                acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + m * K + k), w0, acc[m][0]); \
+                acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + m * K + k + 8), w1, acc[m][1]); \
+            }                                                                               \
+        }                                                                                   \
+        for (long m = 0; m < mb; m++) {                                                     \
+            float sum = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));                          \
+            for (long kk = k; kk < K; kk++) sum += xb[m * K + kk] * SCALAR(wr[kk]);          \
+            y[(m0 + m) * N + n] = sum;                                                      \
+        }                                                                                   \
+    }
+
+void gemv_bf16(const float *x, const uint16_t *w, float *y, long M, long N, long K) {
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n++) {
+        const uint16_t *wr = w + n * K;
+        ROW_TIMES_VECTORS(widen_bf16, scalar_bf16)
+    }
+}
+
+void gemv_f16(const float *x, const uint16_t *w, float *y, long M, long N, long K) {
+#pragma omp parallel for schedule(static)
+    for (long n = 0; n < N; n++) {
+        const uint16_t *wr = w + n * K;
+        ROW_TIMES_VECTORS(widen_f16, scalar_f16)
+    }
+}

@@ -1,0 +1,52 @@
+"""The transformers oracle shared by the parity tests: greedy tokens and their log-softmax."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import torch
+
+from streamserve import LLM, SamplingParams
+
+NEW_TOKENS = 32
+
+
+def parity_prompts() -> list[list[int]]:
+    """9 prompts of 3 to 70 tokens; several share a 40-token prefix, two share 20."""
+    rng = random.Random(1234)
+    draw = lambda n: [rng.randrange(3, 380) for _ in range(n)]  # noqa: E731
+    shared40, shared20 = draw(40), draw(20)
+    return [draw(3), shared40 + draw(5), draw(17), shared40 + draw(30), shared20 + draw(1),
+            draw(64), shared40 + draw(12), shared20 + draw(9), draw(70)]
+
+
+@functools.lru_cache(maxsize=None)
+def hf_reference(model_dir: str) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens and their log-softmax, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    refs = []
+    for prompt in parity_prompts():
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item()
+                    for step, t in zip(out.logits, tokens)]
+        refs.append((tokens, logprobs))
+    return refs
+
+
+def check_parity(llm: LLM, model_dir: str) -> None:
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in parity_prompts()], params, use_tqdm=False)
+    for i, (output, (ref_tokens, ref_logprobs)) in enumerate(zip(outputs, hf_reference(model_dir))):
+        sample = output.outputs[0]
+        assert sample.token_ids == ref_tokens, f"prompt {i}: tokens differ"
+        ours = [sample.logprobs[j][t].logprob for j, t in enumerate(sample.token_ids)]
+        assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-4, f"prompt {i}: logprobs differ"
