@@ -1,0 +1,81 @@
+"""Neox-style rotary embedding (rotate halves, as Hugging Face Llama), applied to q and k in place.
+
+positions      [T] int
+q, k           [T, Hq, D] and [T, Hkv, D]; rows and heads may be strided (q and k are views
+               into the fused qkv), the last dim contiguous
+cos_sin_cache  [max_position, 2, D]: streamserve.models.layers.RotaryEmbedding.cos_sin_cache,
+               [p, 0] = cos(p * f) and [p, 1] = (-sin(p * f), sin(p * f)) over the halves, with
+               the inverse frequencies f already Llama-3 (or linearly) scaled
+
+x1, x2 = halves of x:  x1' = x1 * cos - x2 * sin,  x2' = x2 * cos + x1 * sin  (in float32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_h, num_heads, cos, sin_lo, sin_hi, offs, half_mask,
+                  HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
+    heads = tl.arange(0, HEADS_PAD)
+    mask = (heads[:, None] < num_heads) & half_mask[None, :]
+    lo_ptr = x_ptr + heads[:, None] * stride_h + offs[None, :]
+    x1 = tl.load(lo_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(lo_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    # sin_lo holds -sin (the signed cache), sin_hi +sin.
+    tl.store(lo_ptr, (x1 * cos[None, :] + x2 * sin_lo[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(lo_ptr + HALF, (x2 * cos[None, :] + x1 * sin_hi[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(positions_ptr, q_ptr, k_ptr, cache_ptr, num_q_heads, num_k_heads,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_cp, stride_cs,
+                   HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                   Q_HEADS_PAD: tl.constexpr, K_HEADS_PAD: tl.constexpr):
+    # One program per token: its cos/sin row is read once for all of its q and k heads.
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    offs = tl.arange(0, HALF_PAD)
+    half_mask = offs < HALF
+    row = cache_ptr + pos * stride_cp
+    cos = tl.load(row + offs, mask=half_mask, other=0.0).to(tl.float32)
+    sin_lo = tl.load(row + stride_cs + offs, mask=half_mask, other=0.0).to(tl.float32)
+    sin_hi = tl.load(row + stride_cs + HALF + offs, mask=half_mask, other=0.0).to(tl.float32)
+    _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, cos, sin_lo, sin_hi, offs, half_mask,
+                  HALF, Q_HEADS_PAD)
+    _rotate_heads(k_ptr + token * stride_kt, stride_kh, num_k_heads, cos, sin_lo, sin_hi, offs, half_mask,
+                  HALF, K_HEADS_PAD)
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     cos_sin_cache: torch.Tensor) -> None:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by each token's position."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    if k.dim() != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, H, D] with one even D")
+    if tuple(cos_sin_cache.shape[1:]) != (2, head_dim) or cos_sin_cache.stride(2) != 1:
+        raise ValueError(f"cos_sin_cache must be [max_position, 2, {head_dim}] (RotaryEmbedding.cos_sin_cache), "
+                         f"got {tuple(cos_sin_cache.shape)}")
+    if q.stride(2) != 1 or k.stride(2) != 1:
+        raise ValueError("q and k must be contiguous in their last dim")
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    _rotary_kernel[(num_tokens,)](
+        positions, q, k, cos_sin_cache, num_q_heads, k.shape[1],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), cos_sin_cache.stride(1),
+        HALF=half, HALF_PAD=triton.next_power_of_2(half),
+        Q_HEADS_PAD=triton.next_power_of_2(num_q_heads), K_HEADS_PAD=triton.next_power_of_2(k.shape[1]),
+        num_warps=4)
+
+
+def rotary_embedding_ref(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """Plain torch, out of place, for one of q or k: [T, H, D] rotated, in x's dtype."""
+    half = x.shape[-1] // 2
+    rows = cos_sin_cache[positions.long()].float()  # [T, 2, D]
+    cos, sin = rows[:, 0, None, :half], rows[:, 1, None, half:]  # [T, 1, D/2], sin positive
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -1,0 +1,35 @@
+"""streamserve_kernels/rotary.py against its reference, on the engine's Llama-3-scaled cos/sin cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_batches import TOLERANCE, randn, rel_err
+from streamserve_kernels.rotary import rotary_embedding, rotary_embedding_ref
+from streamserve.models.layers import RotaryEmbedding, apply_rotary
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rotary_in_place_on_qkv_views(gen, device, dtype):
+    hq, hkv, d = 9, 3, 64
+    rope = RotaryEmbedding(d, max_position=512, theta=500000.0, scaling=LLAMA3)
+    rope.build_cache(torch.device(device), dtype)
+    positions = torch.tensor([0, 1, 63, 64, 200, 511, 0], device=device)  # last: a padding row
+    qkv = randn(gen, len(positions), hq + 2 * hkv, d, dtype=dtype, device=device)
+    before = qkv.clone()
+    q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]
+
+    rotary_embedding(positions, q, k, rope.cos_sin_cache)
+
+    ref_q = rotary_embedding_ref(positions, before[:, :hq], rope.cos_sin_cache)
+    ref_k = rotary_embedding_ref(positions, before[:, hq:hq + hkv], rope.cos_sin_cache)
+    assert rel_err(q, ref_q) < TOLERANCE[dtype]
+    assert rel_err(k, ref_k) < TOLERANCE[dtype]
+    assert torch.equal(qkv[:, hq + hkv:], before[:, hq + hkv:])  # v untouched
+    assert torch.equal(q[0], before[0, :hq])  # position 0 is the identity
+    cos, sin = rope.cos_sin(positions)
+    assert rel_err(ref_q, apply_rotary(before[:, :hq], cos, sin)) < TOLERANCE[dtype]
