@@ -159,6 +159,11 @@ class SchedulerConfig:
 @dataclass
 class DeviceConfig:
     device: str = field(default="auto", metadata={"help": "auto (cuda when present), cpu or cuda[:N]"})
+    kernel_backend: str = field(default="auto", metadata={
+        "help": "auto (triton on CUDA, torch on the CPU), torch (reference ops), or triton "
+                "(streamserve_kernels; on the CPU only under TRITON_INTERPRET=1, for testing)"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "never capture CUDA graphs: every step runs eagerly"})
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -167,6 +172,22 @@ class DeviceConfig:
             raise ValueError(f"device {self.device!r} must be auto, cpu or cuda[:N]")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} asked for, but torch sees no CUDA device")
+        if self.kernel_backend == "auto":
+            self.kernel_backend = "triton" if self.device.startswith("cuda") else "torch"
+        if self.kernel_backend not in ("torch", "triton"):
+            raise ValueError(f"kernel_backend {self.kernel_backend!r} must be auto, torch or triton")
+        if self.kernel_backend == "triton":
+            from streamserve_kernels import triton_available
+
+            if not triton_available():
+                raise ValueError("kernel_backend 'triton' needs the triton package")
+            if self.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError("kernel_backend 'triton' on the CPU runs only under TRITON_INTERPRET=1 "
+                                 "(Triton's interpreter, for testing the kernels)")
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device.startswith("cuda") and self.kernel_backend == "triton" and not self.enforce_eager
 
     @property
     def torch_device(self) -> torch.device:

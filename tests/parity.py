@@ -22,17 +22,18 @@ def parity_prompts() -> list[list[int]]:
 
 
 @functools.lru_cache(maxsize=None)
-def hf_reference(model_dir: str) -> list[tuple[list[int], list[float]]]:
+def hf_reference(model_dir: str, num_prompts: int = 9, new_tokens: int = NEW_TOKENS
+                 ) -> list[tuple[list[int], list[float]]]:
     """transformers' greedy tokens and their log-softmax, one prompt at a time."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     refs = []
-    for prompt in parity_prompts():
+    for prompt in parity_prompts()[:num_prompts]:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                  do_sample=False, output_logits=True, return_dict_in_generate=True,
                                  pad_token_id=0)
         tokens = out.sequences[0, len(prompt):].tolist()
@@ -42,10 +43,15 @@ def hf_reference(model_dir: str) -> list[tuple[list[int], list[float]]]:
     return refs
 
 
-def check_parity(llm: LLM, model_dir: str) -> None:
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in parity_prompts()], params, use_tqdm=False)
-    for i, (output, (ref_tokens, ref_logprobs)) in enumerate(zip(outputs, hf_reference(model_dir))):
+def check_parity(llm: LLM, model_dir: str, num_prompts: int = 9, new_tokens: int = NEW_TOKENS) -> None:
+    """The first `num_prompts` parity prompts, `new_tokens` each: tokens identical, logprobs
+    within 1e-4."""
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in parity_prompts()[:num_prompts]]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    refs = hf_reference(model_dir, num_prompts, new_tokens)
+    assert len(outputs) == len(refs) == num_prompts
+    for i, (output, (ref_tokens, ref_logprobs)) in enumerate(zip(outputs, refs)):
         sample = output.outputs[0]
         assert sample.token_ids == ref_tokens, f"prompt {i}: tokens differ"
         ours = [sample.logprobs[j][t].logprob for j, t in enumerate(sample.token_ids)]

@@ -71,7 +71,8 @@ def test_every_field_is_a_keyword_of_one_part():
     assert len(names) == len(set(names))
     assert {"model", "gguf_file", "tokenizer", "dtype", "max_model_len", "seed", "block_size",
             "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization",
-            "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens", "device",
+            "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens", "device", "kernel_backend",
+            "enforce_eager",
             "host", "port", "served_model_name", "api_key", "max_n", "max_request_bytes",
             "sse_keepalive_seconds"} == set(names)
     # The values read from the checkpoint are not settings.
@@ -312,3 +313,16 @@ def test_a_supported_name_later_in_the_list_is_used(llama_dir, tmp_path):
                                     ["SomethingElse", "LlamaForCausalLM"])
     llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", device="cpu")
     assert llm.engine_core.vocab_size == 384
+
+
+
+def test_kernel_backend_defaults_and_checks(monkeypatch):
+    cpu = DeviceConfig(device="cpu")
+    assert cpu.kernel_backend == "torch" and not cpu.use_cuda_graphs
+    with pytest.raises(ValueError, match="must be auto, torch or triton"):
+        DeviceConfig(device="cpu", kernel_backend="cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        DeviceConfig(device="cpu", kernel_backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert DeviceConfig(device="cpu", kernel_backend="triton", enforce_eager=True).kernel_backend == "triton"

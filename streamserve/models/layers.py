@@ -18,8 +18,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.kernels = None  # streamserve_kernels.norm on the Triton path (use_kernels)
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if self.kernels is not None:  # one fused kernel; with a residual, in place on both
+            if residual is None:
+                return self.kernels.rms_norm(x, self.weight, self.eps)
+            return self.kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
             residual = x
@@ -111,6 +116,7 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.scaling = scaling
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        self.kernel = None  # streamserve_kernels.rotary.rotary_embedding on the Triton path
 
     def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
@@ -127,6 +133,18 @@ class RotaryEmbedding(nn.Module):
         cos_sin = self.cos_sin_cache[positions]
         return cos_sin[:, 0].unsqueeze(1), cos_sin[:, 1].unsqueeze(1)
 
+    def for_step(self, positions: torch.Tensor) -> "Rotate":
+        """rotate(qk [T, Hq + Hkv, D], Hq) -> qk rotated by this step's positions."""
+        if self.kernel is not None:
+            kernel, cache = self.kernel, self.cos_sin_cache
+
+            def rotate(qk: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+                kernel(positions, qk[:, :num_q_heads], qk[:, num_q_heads:], cache)  # in place
+                return qk
+            return rotate
+        cos, sin = self.cos_sin(positions)  # once per step, shared by every layer
+        return lambda qk, num_q_heads: apply_rotary(qk, cos, sin)
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x: [T, H, D] -> x * cos + rotate_half(x) * sin."""
@@ -135,6 +153,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
 
 # attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq * D]
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# rotate(qk [T, Hq + Hkv, D], Hq) -> qk with rotary embedding applied (RotaryEmbedding.for_step)
+Rotate = Callable[[torch.Tensor, int], torch.Tensor]
 
 
 @dataclass
@@ -143,6 +163,5 @@ class ForwardContext:
     (no module state outlives the step)."""
 
     attention: AttentionFn
-    cos: torch.Tensor
-    sin: torch.Tensor
+    rotate: Rotate
     low_precision: bool = False

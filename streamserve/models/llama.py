@@ -17,8 +17,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from streamserve.models.layers import (AttentionFn, ForwardContext, Linear, RMSNorm, RotaryEmbedding, apply_rotary,
-                                       silu_and_mul)
+from streamserve.models.layers import AttentionFn, ForwardContext, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), 1)
-        qk = apply_rotary(qk, ctx.cos, ctx.sin)
+        qk = ctx.rotate(qk, self.num_heads)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = ctx.attention(self.layer_idx, q, k, v)
         return self.o_proj(out, ctx.low_precision)
@@ -96,9 +95,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
+        self.act = silu_and_mul  # or streamserve_kernels.activation.silu_and_mul (use_kernels)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x, ctx.low_precision)), ctx.low_precision)
+        return self.down_proj(self.act(self.gate_up_proj(x, ctx.low_precision)), ctx.low_precision)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -143,8 +143,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
                 low_precision: bool = False) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token."""
-        cos, sin = self.rotary.cos_sin(positions)
-        ctx = ForwardContext(attention, cos, sin, low_precision)
+        ctx = ForwardContext(attention, self.rotary.for_step(positions), low_precision)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
@@ -154,6 +153,18 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
         return self.lm_head(hidden, low_precision)
+
+    def use_kernels(self) -> None:
+        """Run the small ops with the Triton kernels of streamserve_kernels (the GPU path):
+        RMSNorm fused with the residual add, rotary in place, SiLU-and-mul. The q/k norms
+        of Qwen3 (over [T, H, D] views) stay torch ops."""
+        from streamserve_kernels import activation, norm, rotary
+
+        self.rotary.kernel = rotary.rotary_embedding
+        self.norm.kernels = norm
+        for layer in self.layers:
+            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = norm
+            layer.mlp.act = activation.silu_and_mul
 
     def keep_low_precision_copies(self, dtype: torch.dtype, gemv=None) -> None:
         """Keep `dtype` copies of every linear weight for steps of a few tokens,

@@ -19,13 +19,17 @@ from streamserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutp
 from streamserve.models import cpu_gemv
 from streamserve.models.loader import load_model
 from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
+from streamserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamserve.worker.request_state import RequestState
+from streamserve.worker.triton_attention import TritonAttentionMetadata, TritonPagedAttention
 from streamserve.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
 # Steps of at most this many tokens read the low-precision weight copies (see choose_dtypes).
 LOW_PRECISION_MAX_TOKENS = 16
+# The most KV splits a decode sequence gets in the Triton split-KV kernel (its workspace size).
+MAX_DECODE_SPLITS = 16
 
 
 def choose_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, Optional[torch.dtype]]:
@@ -62,10 +66,23 @@ class ModelRunner:
             self.model.keep_low_precision_copies(low_precision, gemv)
         arch = self.model.arch
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.triton = config.device.kernel_backend == "triton"
+        self.workspace = None
+        if self.triton:
+            from streamserve_kernels.attention import DecodeWorkspace
+
+            self.model.use_kernels()
+            self.workspace = DecodeWorkspace.allocate(config.scheduler.max_num_seqs, self.num_heads,
+                                                      self.head_dim, MAX_DECODE_SPLITS, self.device)
         self.num_blocks = self._determine_num_blocks()
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [self._zeros(shape) for _ in range(arch.num_layers)]
+        self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
+        self.graphs: Optional[DecodeGraphs] = None
+        if config.device.use_cuda_graphs:
+            self.graphs = self.make_decode_graphs()
+            self.graphs.capture()
         self.sampler = Sampler(self.device, config.model.seed)
         self.requests: dict[str, RequestState] = {}
         # Seeded generators outlive preemption, so a resumed request keeps its stream.
@@ -94,17 +111,47 @@ class ModelRunner:
         return num_blocks
 
     def _gpu_budget_bytes(self) -> int:
-        """GPU memory left for KV after weights and a peak-activation allowance."""
+        """GPU memory left for KV after the weights, the peak of the largest step (measured by
+        running it) and, with CUDA graphs, as much again for the graphs' memory pool."""
+        peak = self._profile_peak_bytes()
         free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        tokens = self.config.scheduler.max_num_batched_tokens
-        arch = self.model.arch
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        # Activations of one layer at the full token budget, plus the logits, times two.
-        activations = 2 * tokens * elem * (4 * arch.hidden_size + 2 * arch.intermediate_size
-                                           + (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim)
-        activations += 2 * self.config.scheduler.max_num_seqs * arch.vocab_size * 4
-        return max(0, int(total * self.config.cache.gpu_memory_utilization) - used - activations)
+        reserve = peak * (2 if self.config.device.use_cuda_graphs else 1)
+        budget = int(total * self.config.cache.gpu_memory_utilization) - (total - free) - reserve
+        logger.info("GPU memory: %.2f GiB in use after loading, step peak %.2f GiB, KV budget %.2f GiB",
+                    (total - free) / 2 ** 30, peak / 2 ** 30, max(0, budget) / 2 ** 30)
+        return max(0, budget)
+
+    @torch.inference_mode()
+    def _profile_peak_bytes(self) -> int:
+        """Run the largest step the scheduler may send (max_num_batched_tokens prompt tokens in
+        sequences of at most max_model_len, then logits and sampling for max_num_seqs rows)
+        against a scratch KV cache; return the memory it took at its peak."""
+        sched, bs = self.config.scheduler, self.block_size
+        tokens, max_len = sched.max_num_batched_tokens, self.config.model.max_model_len
+        lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
+        tables, next_block = [], 0
+        for n in lens:
+            tables.append(list(range(next_block, next_block + -(-n // bs))))
+            next_block += len(tables[-1])
+        shape = (2, next_block, bs, self.num_kv_heads, self.head_dim)
+        scratch = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
+        positions = np.concatenate([np.arange(n) for n in lens])
+        starts = np.repeat([t[0] * bs for t in tables], lens)
+        slots, ids = self._tensor(starts + positions), torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        chunks = [(n, 0, t) for n, t in zip(lens, tables)]
+        meta = self._attention_metadata(slots, [], [], chunks)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        hidden = self.model(ids, self._tensor(positions), self._attention(meta, scratch))
+        rows = min(sched.max_num_seqs, tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        torch.softmax(logits.float(), -1).argmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del scratch, hidden, logits
+        torch.cuda.empty_cache()
+        return peak
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         """A zeroed KV tensor. On the CPU it comes from calloc (numpy), so the OS hands out
@@ -123,11 +170,13 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         input_ids, positions, meta, logits_indices, samplers = self._prepare_inputs(so)
-        attention = TorchPagedAttention(self.kv_caches, meta, self.num_heads,
-                                        self.num_kv_heads, self.head_dim)
         low_precision = self.use_low_precision and len(input_ids) <= LOW_PRECISION_MAX_TOKENS
         with torch.inference_mode():
-            hidden = self.model(input_ids, positions, attention, low_precision)
+            if self._replays(meta, len(input_ids)):
+                hidden = self.graphs.replay(input_ids, positions, meta.slot_mapping, meta.seq_lens,
+                                            meta.block_tables)
+            else:
+                hidden = self.model(input_ids, positions, self._attention(meta, self.kv_caches), low_precision)
             if not samplers:
                 return ModelRunnerOutput([], [])
             logits = self.model.compute_logits(hidden[logits_indices], low_precision)
@@ -187,46 +236,104 @@ class ModelRunner:
                 logits_indices.append(i)
                 samplers.append(state)
 
-        chunks: list[PrefillChunk] = []
+        chunks: list[tuple[int, int, list[int]]] = []  # (rows, context before, block table)
         start = len(decodes)
         ids_parts, pos_parts, slot_parts = [input_ids], [positions], [slots]
         for state, n in prefills:
             ctx = state.num_computed_tokens
             pos = np.arange(ctx, ctx + n, dtype=np.int64)
-            table = np.asarray(state.block_ids[:-(-(ctx + n) // bs)], dtype=np.int64)
+            block_ids = state.block_ids[:-(-(ctx + n) // bs)]
+            table = np.asarray(block_ids, dtype=np.int64)
             ids_parts.append(state.token_ids[ctx:ctx + n])
             pos_parts.append(pos)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
-            chunks.append(PrefillChunk(start, start + n, ctx, torch.from_numpy(table).to(self.device)))
+            chunks.append((n, ctx, block_ids))
             if ctx + n == len(state.token_ids):
                 logits_indices.append(start + n - 1)
                 samplers.append(state)
             start += n
 
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate([np.asarray(s, dtype=np.int64) for s in slot_parts])),
-            num_decodes=len(decodes),
-            decode_block_tables=None, decode_mask=None, prefills=chunks)
-        if decodes:
-            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decodes, seq_lens)
+        slot_mapping = self._tensor(np.concatenate([np.asarray(s, dtype=np.int64) for s in slot_parts]))
+        meta = self._attention_metadata(slot_mapping, [d.block_ids for d in decodes], seq_lens, chunks)
         return (self._tensor(np.concatenate([np.asarray(x, dtype=np.int64) for x in ids_parts])),
                 self._tensor(np.concatenate([np.asarray(x, dtype=np.int64) for x in pos_parts])),
                 meta, self._tensor(np.asarray(logits_indices, dtype=np.int64)), samplers)
 
-    def _decode_tables(self, decodes: list[RequestState], seq_lens: list[int]):
+    # -- attention metadata, per backend -------------------------------------------
+
+    def _attention(self, meta, kv_caches: list[torch.Tensor]):
+        if self.triton:
+            return TritonPagedAttention(kv_caches, meta, self.num_heads, self.num_kv_heads, self.head_dim,
+                                        self.workspace)
+        return TorchPagedAttention(kv_caches, meta, self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def _attention_metadata(self, slot_mapping: torch.Tensor, decode_blocks: list[list[int]],
+                            decode_lens: list[int], chunks: list[tuple[int, int, list[int]]]):
+        """Decodes (their block ids and sequence lengths) and prefill chunks (rows, context
+        before, block table) as the backend's metadata."""
+        if self.triton:
+            return self._triton_metadata(slot_mapping, decode_blocks, decode_lens, chunks)
+        prefills, start = [], len(decode_blocks)
+        for n, ctx, block_ids in chunks:
+            prefills.append(PrefillChunk(start, start + n, ctx, self._tensor(np.asarray(block_ids, dtype=np.int64))))
+            start += n
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(decode_blocks),
+                                 decode_block_tables=None, decode_mask=None, prefills=prefills)
+        if decode_blocks:
+            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decode_blocks, decode_lens)
+        return meta
+
+    def _triton_metadata(self, slot_mapping: torch.Tensor, decode_blocks: list[list[int]],
+                         decode_lens: list[int], chunks: list[tuple[int, int, list[int]]]):
+        from streamserve_kernels.attention import choose_num_splits
+
+        bs, nd = self.block_size, len(decode_blocks)
+        seq_lens = decode_lens + [ctx + n for n, ctx, _ in chunks]
+        tables = np.zeros((len(seq_lens), max(-(-n // bs) for n in seq_lens)), dtype=np.int32)
+        for i, (blocks, n) in enumerate(zip(decode_blocks + [t for _, _, t in chunks], seq_lens)):
+            nb = -(-n // bs)
+            tables[i, :nb] = blocks[:nb]
+        rows = np.cumsum([0] + [1] * nd + [n for n, _, _ in chunks], dtype=np.int32)
+        num_splits = choose_num_splits(max(decode_lens), nd, self.num_kv_heads, MAX_DECODE_SPLITS) if nd else 1
+        return TritonAttentionMetadata(
+            slot_mapping=slot_mapping, query_start_loc=self._tensor(rows),
+            seq_lens=self._tensor(np.asarray(seq_lens, dtype=np.int32)), block_tables=self._tensor(tables),
+            num_decodes=nd, max_query_len=max([1] + [n for n, _, _ in chunks]), num_splits=num_splits)
+
+    # -- CUDA graphs -----------------------------------------------------------------
+
+    def make_decode_graphs(self) -> DecodeGraphs:
+        """Static buffers and (on CUDA) graphs for pure-decode steps, see cuda_graphs.py."""
+        from streamserve_kernels.attention import choose_num_splits
+
+        max_len = self.config.model.max_model_len
+
+        def forward(input_ids, positions, meta):
+            return self.model(input_ids, positions, self._attention(meta, self.kv_caches))
+
+        return DecodeGraphs(forward, capture_sizes(self.config.scheduler.max_num_seqs), self.max_blocks_per_seq,
+                            lambda b: choose_num_splits(max_len, b, self.num_kv_heads, MAX_DECODE_SPLITS),
+                            self.device)
+
+    def _replays(self, meta, num_tokens: int) -> bool:
+        """Whether this step is a pure-decode batch a captured graph (or its buffers) serves."""
+        return (self.graphs is not None and isinstance(meta, TritonAttentionMetadata)
+                and meta.num_decodes == num_tokens and num_tokens <= self.graphs.max_batch)
+
+    def _decode_tables(self, decode_blocks: list[list[int]], seq_lens: list[int]):
         bs = self.block_size
         max_blocks = -(-max(seq_lens) // bs)
-        tables = np.zeros((len(decodes), max_blocks), dtype=np.int64)
-        for i, (state, n) in enumerate(zip(decodes, seq_lens)):
+        tables = np.zeros((len(decode_blocks), max_blocks), dtype=np.int64)
+        for i, (blocks, n) in enumerate(zip(decode_blocks, seq_lens)):
             nb = -(-n // bs)
-            tables[i, :nb] = state.block_ids[:nb]
+            tables[i, :nb] = blocks[:nb]
         if all(n == max_blocks * bs for n in seq_lens):
             return self._tensor(tables), None  # every row fills its blocks exactly
         lens = torch.tensor(seq_lens, device=self.device)
         visible = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1)
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible, float("-inf"))
-        return self._tensor(tables), mask.view(len(decodes), 1, 1, -1)
+        return self._tensor(tables), mask.view(len(decode_blocks), 1, 1, -1)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device)

@@ -1,0 +1,106 @@
+"""CUDA graphs for pure-decode steps.
+
+At start-up the model's forward pass for a batch of B decode tokens is captured once
+per padded size B in capture_sizes(); a decode step of n <= B tokens then copies its
+inputs into the static buffers, marks rows n..B as padding (no slot to write, a
+sequence length of 0 so attention reads nothing and writes zeros) and replays the
+graph: one launch instead of a few hundred. Mixed or larger batches run eagerly.
+
+On the CPU there is nothing to capture: `replay` runs the same forward on the same
+static buffers, which is how the padding logic is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from streamserve.worker.triton_attention import TritonAttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+MAX_CAPTURE_SIZE = 512
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8, up to the first size that holds max_num_seqs (at most 512)."""
+    sizes = [1, 2, 4] + list(range(8, MAX_CAPTURE_SIZE + 1, 8))
+    return sizes[:next((i + 1 for i, s in enumerate(sizes) if s >= max_num_seqs), len(sizes))]
+
+
+# forward(input_ids [B], positions [B], metadata) -> hidden [B, H]
+Forward = Callable[[torch.Tensor, torch.Tensor, TritonAttentionMetadata], torch.Tensor]
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Forward, sizes: list[int], max_blocks_per_seq: int,
+                 num_splits: Callable[[int], int], device: torch.device) -> None:
+        self.forward = forward
+        self.sizes = sizes
+        self.num_splits = num_splits  # batch size -> KV splits per sequence, fixed per graph
+        self.device = device
+        n = sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def _run(self, b: int) -> torch.Tensor:
+        meta = TritonAttentionMetadata(
+            slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
+            seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], num_decodes=b,
+            max_query_len=1, num_splits=self.num_splits(b))
+        return self.forward(self.input_ids[:b], self.positions[:b], meta)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, all in one memory pool."""
+        if self.device.type != "cuda":
+            return
+        start, (free_before, _) = time.perf_counter(), torch.cuda.mem_get_info(self.device)
+        pool = torch.cuda.graph_pool_handle()
+        for b in tqdm(list(reversed(self.sizes)), desc="Capturing CUDA graphs", unit="graph"):
+            self._run(b)  # warm up: compiles the Triton kernels for this shape before capture
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[b] = self._run(b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        logger.info("captured %d CUDA graphs (decode batches %d..%d) in %.1f s, using %.0f MiB",
+                    len(self.graphs), self.sizes[0], self.sizes[-1], time.perf_counter() - start,
+                    (free_before - free_after) / 2 ** 20)
+
+    def padded_size(self, n: int) -> int:
+        return next(b for b in self.sizes if b >= n)
+
+    @torch.inference_mode()
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+               seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+        """Hidden states [n, H] for n <= max_batch decode tokens (the inputs' first dim)."""
+        n, b = input_ids.shape[0], self.padded_size(input_ids.shape[0])
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
+        if n < b:  # padding rows: write no slot, read no key
+            self.slot_mapping[n:b].fill_(-1)
+            self.seq_lens[n:b].fill_(0)
+        if b in self.graphs:
+            self.graphs[b].replay()
+            return self.outputs[b][:n]
+        return self._run(b)[:n]

@@ -1,0 +1,48 @@
+"""The engine on its Triton path, run on the CPU through Triton's interpreter (conftest.py):
+the model's small ops, the cache writes and attention all go through streamserve_kernels,
+and greedy decoding still matches transformers token for token. The same with the static
+buffers of the CUDA-graph runner, whose padding rows must change nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parity import check_parity
+from streamserve import LLM
+from streamserve.worker.triton_attention import TritonAttentionMetadata
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the GPU path")
+
+
+def triton_llm(model_dir: str, **kwargs) -> LLM:
+    llm = LLM(model_dir, dtype="float32", kernel_backend="triton", kv_cache_memory="16MiB", **kwargs)
+    runner = llm.engine_core.model_runner
+    assert runner.triton and runner.model.layers[0].input_layernorm.kernels is not None
+    return llm
+
+
+def test_triton_path_matches_transformers_with_mixed_steps(model_dirs, monkeypatch):
+    # A token budget of 24 puts decodes and prefill chunks into the same steps.
+    llm = triton_llm(model_dirs["llama"], max_num_batched_tokens=24)
+    runner = llm.engine_core.model_runner
+    seen = []
+    original = runner._attention
+    monkeypatch.setattr(runner, "_attention", lambda meta, caches: seen.append(meta) or original(meta, caches))
+    check_parity(llm, model_dirs["llama"], num_prompts=5, new_tokens=6)
+    assert all(isinstance(m, TritonAttentionMetadata) for m in seen)
+    assert any(0 < m.num_decodes < m.query_start_loc.shape[0] - 1 for m in seen), "no mixed step ran"
+
+
+def test_decode_graph_buffers_pad_without_effect(model_dirs):
+    llm = triton_llm(model_dirs["qwen3"])
+    runner = llm.engine_core.model_runner
+    runner.graphs = runner.make_decode_graphs()  # on the CPU: the static buffers, replayed eagerly
+    replays = []
+    original = runner.graphs.replay
+    runner.graphs.replay = lambda ids, *rest: replays.append(len(ids)) or original(ids, *rest)
+    check_parity(llm, model_dirs["qwen3"], num_prompts=3, new_tokens=6)
+    assert replays and any(runner.graphs.padded_size(n) > n for n in replays), "no padded decode step"
+    scheduler = llm.engine_core.scheduler
+    assert scheduler.kv_cache_manager.num_free_blocks == runner.num_blocks
+
