@@ -1,0 +1,362 @@
+"""The device check for the GPU path: one call on a CUDA machine, under 8 minutes.
+
+    python scripts/gpu_check.py                 # writes gpu-check.md / .json under $OUT (or --out)
+    TRITON_INTERPRET=1 python scripts/gpu_check.py --smoke --device cpu   # the script itself, tiny sizes
+
+Needs only torch, triton and transformers (no orjson, gguf or pytest): run from a checkout
+with PYTHONPATH=. when streamserve is not installed. Sections, each failing on its own:
+  1. device-to-device copy bandwidth (bytes read + bytes written per second by a large copy);
+  2. every kernel against its torch reference, float32 and bfloat16;
+  3. greedy parity with transformers on a tiny random Llama (float32), with CUDA graphs
+     and with enforce_eager;
+  4. decode throughput of a Llama-3.2-1B-shaped model (random weights, bfloat16) at
+     batch 1, 8, 64, 256, eager vs graphs; at batch 1 the fraction of the bandwidth floor
+     (weight bytes + KV bytes read per step) / step time / copy bandwidth;
+  5. the paged decode attention kernel alone at batch 64, context 4096: bytes of K and V
+     read per second against the copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "kernels")]
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
+                tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
+                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+TINY_SHAPE = dict(LLAMA_1B, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+
+
+class Report:
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def add(self, section: str, item: str, value: str, target: str = "", ok=None) -> None:
+        self.rows.append(dict(section=section, item=item, value=value, target=target,
+                              ok=None if ok is None else bool(ok)))
+        mark = "" if ok is None else ("PASS" if ok else "FAIL")
+        print(f"[{section}] {item}: {value} {target} {mark}".rstrip(), flush=True)
+
+    def markdown(self, header: list[str]) -> str:
+        lines = header + ["", "| section | item | value | target | result |", "|---|---|---|---|---|"]
+        for r in self.rows:
+            result = "" if r["ok"] is None else ("pass" if r["ok"] else "**FAIL**")
+            lines.append(f"| {r['section']} | {r['item']} | {r['value']} | {r['target']} | {result} |")
+        return "\n".join(lines) + "\n"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Seconds per call."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(device)
+    return (time.perf_counter() - start) / iters
+
+
+# -- 1. copy bandwidth ------------------------------------------------------------------
+
+def copy_bandwidth(report: Report, device: torch.device, smoke: bool) -> float:
+    n = (16 if smoke else 2048) * 2 ** 20
+    src, dst = torch.empty(n, dtype=torch.uint8, device=device), torch.empty(n, dtype=torch.uint8, device=device)
+    src.fill_(1)
+    seconds = timed(lambda: dst.copy_(src), device, iters=3 if smoke else 20)
+    bandwidth = 2 * n / seconds
+    report.add("bandwidth", f"copy of {n / 2 ** 20:.0f} MiB (read + write)", f"{bandwidth / 1e9:.0f} GB/s")
+    return bandwidth
+
+
+# -- 2. kernels against their references ------------------------------------------------
+
+def kernel_checks(report: Report, device: torch.device, smoke: bool) -> None:
+    from kernel_batches import TOLERANCE, make_paged_batch, randn, rel_err
+    from streamserve.models.layers import RotaryEmbedding
+    from streamserve_kernels import activation, attention, cache, norm, rotary
+
+    dev = device.type
+    gen = torch.Generator().manual_seed(0)
+    heads_list = [(9, 3, 64), (32, 8, 64)] if not smoke else [(9, 3, 64)]
+    for dtype in (torch.float32, torch.bfloat16):
+        tol = TOLERANCE[dtype]
+        name = str(dtype).replace("torch.", "")
+
+        def check(item: str, err: float) -> None:
+            report.add("kernels", f"{item} {name}", f"rel err {err:.1e}", f"< {tol:g}", err < tol)
+
+        for block_size in (16, 32):
+            for hq, hkv, d in heads_list:
+                seqs = [(0, 1), (block_size - 1, 1), (5 * block_size + 3, 1), (0, 37), (block_size - 7, 20),
+                        (3 * block_size, 5)]
+                b = make_paged_batch(gen, seqs, hq, hkv, d, block_size, dtype, dev, num_padding=3)
+                ref = attention.paged_attention_ref(b.q, b.kv_cache, b.query_start_loc, b.seq_lens,
+                                                    b.block_tables, d ** -0.5)
+                out = torch.full_like(b.q, float("nan"))
+                attention.paged_attention(b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables,
+                                          d ** -0.5, b.max_query_len, out=out)
+                n = b.num_real_tokens
+                check(f"paged_attention mixed bs{block_size} {hq}q/{hkv}kv", rel_err(out[:n], ref[:n]))
+                # Split-KV decode over long contexts, through a workspace allocated once.
+                ctx = [700, 33, 1200, 1] if not smoke else [70, 33, 1]
+                d_batch = make_paged_batch(gen, [(c, 1) for c in ctx], hq, hkv, d, block_size, dtype, dev)
+                ws = attention.DecodeWorkspace.allocate(8, hq, d, 16, device)
+                out = torch.full_like(d_batch.q, float("nan"))
+                attention.paged_decode_attention(d_batch.q, d_batch.kv_cache, d_batch.seq_lens,
+                                                 d_batch.block_tables, d ** -0.5, 8, ws, out=out)
+                ref = attention.paged_attention_ref(d_batch.q, d_batch.kv_cache, d_batch.query_start_loc,
+                                                    d_batch.seq_lens, d_batch.block_tables, d ** -0.5)
+                check(f"paged_decode_attention 8 splits bs{block_size} {hq}q/{hkv}kv", rel_err(out, ref))
+        # reshape_and_cache with padding slots
+        b = make_paged_batch(gen, [(5, 20), (0, 3)], 4, 2, 64, 16, dtype, dev, num_padding=4, write_step_kv=False)
+        expected = b.kv_cache.clone()
+        cache.reshape_and_cache_ref(b.k, b.v, expected, b.slot_mapping)
+        cache.reshape_and_cache(b.k, b.v, b.kv_cache, b.slot_mapping)
+        same = torch.equal(torch.nan_to_num(b.kv_cache, 7.0), torch.nan_to_num(expected, 7.0))
+        report.add("kernels", f"reshape_and_cache {name}", "identical" if same else "differs", "identical", same)
+        # norms, rotary, activation
+        x, res = randn(gen, 33, 2048, dtype=dtype, device=dev), randn(gen, 33, 2048, dtype=dtype, device=dev)
+        w = randn(gen, 2048, dtype=dtype, device=dev)
+        ref_out, ref_res = norm.rms_norm_ref(x, w, 1e-5, residual=res)
+        out, new_res = norm.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5)
+        check("fused_add_rms_norm", max(rel_err(out, ref_out), rel_err(new_res, ref_res)))
+        check("rms_norm", rel_err(norm.rms_norm(x, w, 1e-5), norm.rms_norm_ref(x, w, 1e-5)))
+        rope = RotaryEmbedding(64, 4096, 500000.0, LLAMA_1B["rope_scaling"])
+        rope.build_cache(device, dtype)
+        positions = torch.randint(0, 4096, (33,), generator=gen).to(dev)
+        q, k = randn(gen, 33, 32, 64, dtype=dtype, device=dev), randn(gen, 33, 8, 64, dtype=dtype, device=dev)
+        ref_q, ref_k = (rotary.rotary_embedding_ref(positions, t, rope.cos_sin_cache) for t in (q, k))
+        rotary.rotary_embedding(positions, q, k, rope.cos_sin_cache)
+        check("rotary_embedding llama3 scaling", max(rel_err(q, ref_q), rel_err(k, ref_k)))
+        gu = randn(gen, 33, 2 * 8192, dtype=dtype, device=dev)
+        check("silu_and_mul", rel_err(activation.silu_and_mul(gu), activation.silu_and_mul_ref(gu)))
+
+
+# -- 3. greedy parity with transformers --------------------------------------------------
+
+def parity(report: Report, device: torch.device, work: str, smoke: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from streamserve import LLM, SamplingParams
+    from tiny_models import build_model
+
+    model_dir = build_model(os.path.join(work, "tiny-llama"), "llama", seed=0)
+    prompts = [[3 + (i * 7 + j * 13) % 300 for j in range(n)] for i, n in enumerate((5, 40, 17, 90))]
+    new_tokens = 8 if smoke else 24
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    hf.generation_config.eos_token_id = None
+    expected = []
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        with torch.no_grad():
+            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)
+        expected.append(seq[0, len(p):].tolist())
+    del hf
+    for eager in (False, True):
+        llm = LLM(model_dir, device=str(device), dtype="float32", enforce_eager=eager,
+                  kernel_backend="triton", gpu_memory_utilization=0.3, kv_cache_memory="64MiB")
+        runner = llm.engine_core.model_runner
+        replays = []
+        if runner.graphs is not None:
+            original = runner.graphs.replay
+            runner.graphs.replay = lambda ids, *rest: replays.append(len(ids)) or original(ids, *rest)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
+        same = sum(o.outputs[0].token_ids == e for o, e in zip(outs, expected))
+        mode = "eager" if eager else f"graphs ({len(replays)} replays)"
+        report.add("parity", f"tiny Llama float32, {mode}", f"{same}/{len(prompts)} prompts identical",
+                   "all identical", same == len(prompts))
+        del llm, runner
+        free_memory()
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- 4. decode throughput ------------------------------------------------------------------
+
+def write_model_dir(work: str, shape: dict) -> str:
+    """config.json of the shape plus a tokenizer; the weights come from load_format=dummy."""
+    from tiny_models import build_model
+
+    tiny = build_model(os.path.join(work, "tok-source"), "llama", seed=1)
+    path = os.path.join(work, "llama-shape")
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(tiny):
+        if not name.endswith(".safetensors") and name != "config.json":
+            shutil.copy(os.path.join(tiny, name), path)
+    config = dict(shape, architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="bfloat16",
+                  bos_token_id=1, eos_token_id=2, hidden_act="silu")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def decode_steps_per_second(llm, batch: int, context: int, steps: int) -> float:
+    from streamserve import SamplingParams
+
+    core = llm.engine_core
+    gen = torch.Generator().manual_seed(batch)
+    vocab = core.model_runner.model.arch.vocab_size
+    for _ in range(batch):
+        prompt = torch.randint(3, vocab, (context,), generator=gen).tolist()
+        llm._add_request(None, prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    sched = core.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+        core.step()
+    for _ in range(3):
+        core.step()  # warm
+    start = time.perf_counter()
+    for _ in range(steps):
+        core.step()  # the sampler's .tolist() synchronises every step
+    seconds = (time.perf_counter() - start) / steps
+    core.abort_requests([r.request_id for r in list(sched.running) + list(sched.waiting)])
+    while core.has_unfinished_requests():
+        core.step()
+    return seconds
+
+
+def throughput(report: Report, device: torch.device, work: str, copy_bw: float, smoke: bool) -> None:
+    from streamserve import LLM
+
+    shape = TINY_SHAPE if smoke else LLAMA_1B
+    model_dir = write_model_dir(work, shape)
+    batches = (1, 8) if smoke else (1, 8, 64, 256)
+    context, steps = (32, 4) if smoke else (512, 32)
+    step_time: dict[tuple[bool, int], float] = {}
+    for eager in (True, False):
+        start = time.perf_counter()
+        llm = LLM(model_dir, device=str(device), dtype="bfloat16", load_format="dummy", enforce_eager=eager,
+                  kernel_backend="triton", max_model_len=min(2048, shape["max_position_embeddings"]),
+                  max_num_seqs=max(batches),
+                  gpu_memory_utilization=0.45, kv_cache_memory="256MiB")
+        mode = "eager" if eager else "graphs"
+        report.add("decode", f"start-up ({mode})", f"{time.perf_counter() - start:.2f} s")
+        for b in batches:
+            seconds = decode_steps_per_second(llm, b, context, steps)
+            step_time[eager, b] = seconds
+            report.add("decode", f"batch {b} ({mode}), context {context}",
+                       f"{b / seconds:.0f} tok/s ({seconds * 1e3:.2f} ms/step)")
+        if not eager:
+            model = llm.engine_core.model_runner.model
+            weight_bytes = sum(m.weight.numel() * m.weight.element_size() for name, m in model.named_modules()
+                               if hasattr(m, "weight") and m.weight is not None and name != "embed_tokens")
+            arch = model.arch
+            kv_bytes = 2 * arch.num_layers * (context + steps // 2) * arch.num_kv_heads * arch.head_dim * 2
+            floor = (weight_bytes + kv_bytes) / copy_bw
+            fraction = floor / step_time[False, 1]
+            report.add("decode", "batch 1 (graphs): bandwidth floor reached",
+                       f"{fraction:.0%} ({(weight_bytes + kv_bytes) / 2 ** 30:.2f} GiB read per step, "
+                       f"floor {floor * 1e3:.2f} ms)", ">= 60%", fraction >= 0.6)
+        del llm
+        free_memory()
+    speedup = step_time[True, 1] / step_time[False, 1]
+    report.add("decode", "batch 1: graphs vs eager", f"{speedup:.2f}x", ">= 2x", speedup >= 2)
+    for b in batches[1:]:
+        report.add("decode", f"batch {b}: graphs vs eager", f"{step_time[True, b] / step_time[False, b]:.2f}x")
+
+
+# -- 5. the decode attention kernel alone ---------------------------------------------------
+
+def attention_bandwidth(report: Report, device: torch.device, copy_bw: float, smoke: bool) -> None:
+    from streamserve_kernels.attention import DecodeWorkspace, choose_num_splits, paged_decode_attention
+
+    batch, context, hq, hkv, d, bs = (64, 4096, 32, 8, 64, 16) if not smoke else (4, 64, 4, 2, 64, 16)
+    dtype = torch.bfloat16
+    blocks_per_seq = context // bs
+    num_blocks = batch * blocks_per_seq
+    kv = torch.randn(2, num_blocks, bs, hkv, d, device=device, dtype=dtype)
+    tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, hq, d, device=device, dtype=dtype)
+    out = torch.empty_like(q)
+    splits = choose_num_splits(context, batch, hkv, 16)
+    ws = DecodeWorkspace.allocate(batch, hq, d, splits, device)
+    seconds = timed(lambda: paged_decode_attention(q, kv, seq_lens, tables, d ** -0.5, splits, ws, out=out),
+                    device, iters=3 if smoke else 50)
+    kv_bytes = 2 * batch * context * hkv * d * kv.element_size()
+    achieved = kv_bytes / seconds
+    report.add("attention", f"decode kernel, batch {batch}, context {context}, {hq}q/{hkv}kv, {splits} splits",
+               f"{achieved / 1e9:.0f} GB/s = {achieved / copy_bw:.0%} of copy bandwidth "
+               f"({seconds * 1e6:.0f} us)", ">= 70%", achieved / copy_bw >= 0.7)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder for gpu-check.md/.json")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes (to check the script on the CPU)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("on the CPU the kernels run only under TRITON_INTERPRET=1")
+    import triton
+
+    started = time.perf_counter()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    header = [f"# GPU check, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+              "", f"- device: {name}", f"- torch {torch.__version__}, triton {triton.__version__}, "
+              f"python {platform.python_version()}",
+              f"- command: `python scripts/gpu_check.py{' --smoke' if args.smoke else ''}"
+              f"{'' if args.device == 'cuda' else ' --device ' + args.device}`"]
+    report = Report()
+    copy_bw = None
+    work = tempfile.mkdtemp(prefix="gpu-check-")
+    sections = [("bandwidth", lambda: copy_bandwidth(report, device, args.smoke)),
+                ("kernels", lambda: kernel_checks(report, device, args.smoke)),
+                ("parity", lambda: parity(report, device, work, args.smoke)),
+                ("decode", lambda: throughput(report, device, work, copy_bw, args.smoke)),
+                ("attention", lambda: attention_bandwidth(report, device, copy_bw, args.smoke))]
+    for section, run in sections:
+        t = time.perf_counter()
+        try:
+            result = run()
+            if section == "bandwidth":
+                copy_bw = result
+        except Exception as exc:  # one broken section must not hide the others' numbers
+            traceback.print_exc()
+            report.add(section, "section failed", f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
+        print(f"-- {section}: {time.perf_counter() - t:.1f} s", flush=True)
+        free_memory()
+    header.append(f"- total: {time.perf_counter() - started:.0f} s")
+    os.makedirs(args.out, exist_ok=True)
+    text = report.markdown(header)
+    with open(os.path.join(args.out, "gpu-check.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "gpu-check.json"), "w") as f:
+        json.dump({"header": header, "rows": report.rows}, f, indent=1)
+    shutil.rmtree(work, ignore_errors=True)
+    print("\n" + text)
+    failed = [r for r in report.rows if r["ok"] is False]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
