@@ -1,8 +1,10 @@
 """The aiohttp app: OpenAI-compatible completions and chat completions, streamed over SSE.
 
 Routes: GET /health, GET /version, GET /metrics, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions, POST /tokenize, POST /detokenize. One middleware turns every exception into OpenAI's error
-body with the right status; no stack trace reaches a client.
+POST /v1/chat/completions, POST /tokenize, POST /detokenize, and GET / with GET /static/*:
+the chat page (streamserve/static/), which talks to GET /v1/ws (websocket.py). One
+middleware turns every exception into OpenAI's error body with the right status; no stack
+trace reaches a client.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import pathlib
 import time
 import uuid
 from typing import Any, AsyncIterator, NamedTuple, Optional
@@ -40,6 +43,13 @@ READY_LOG = web.AppKey("ready_log", asyncio.Task)
 METRICS = web.AppKey("metrics", Metrics)
 CONFIG = web.AppKey("serving", Serving)
 
+STATIC_DIR = pathlib.Path(__file__).resolve().parent.parent / "static"
+# The chat page runs only its own scripts and talks only to this server: no inline script,
+# no other origin, so text that slipped into the DOM as HTML still could not run.
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
+                "object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
+                "Cache-Control": "no-cache"}
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 
@@ -69,6 +79,8 @@ def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web
     app[CONFIG] = Serving(server, model_name)
     app[ENGINE] = engine
     app[METRICS] = Metrics(engine, model_name)
+    app.router.add_get("/", chat_page)
+    app.router.add_get("/static/{name}", static_file)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
@@ -106,6 +118,18 @@ async def _log_when_ready(model_name: str, engine: AsyncEngine) -> None:
                 model_name, config.model.model, config.model.torch_dtype, runner.dtype,
                 config.device.device, runner.num_blocks, tokens, tokens / config.model.max_model_len,
                 config.model.max_model_len)
+
+
+async def chat_page(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC_DIR / "index.html", headers=PAGE_HEADERS)
+
+
+async def static_file(request: web.Request) -> web.FileResponse:
+    """A file directly in streamserve/static/; anything else is a 404 like any other."""
+    path = (STATIC_DIR / request.match_info["name"]).resolve()
+    if path.parent != STATIC_DIR or not path.is_file():
+        raise web.HTTPNotFound()
+    return web.FileResponse(path)
 
 
 async def health(request: web.Request) -> web.Response:

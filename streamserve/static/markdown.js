@@ -1,0 +1,128 @@
+// A safe subset of Markdown, rendered by building DOM nodes.
+//
+// Invariant: model text only ever reaches the page through textContent or
+// document.createTextNode. Nothing here parses HTML, so `<img onerror=...>` or `<script>`
+// in a reply is shown as the characters it is. The subset: paragraphs, headings, fenced
+// code blocks (monospace, with a copy button), inline code, bold, italics, and bulleted
+// or numbered lists. An unclosed fence (a reply still streaming) renders as a code block.
+
+const FENCE = /^\s*(```|~~~)\s*([\w+#.-]*)\s*$/;
+const ITEM = /^\s*([-*+]|\d{1,9}[.)])\s+(.*)$/;
+const HEADING = /^(#{1,6})\s+(.*)$/;
+// Inline spans, in order of precedence: `code`, **bold**, __bold__, *italic*, _italic_.
+const INLINE = /`([^`\n]+)`|\*\*(?=\S)(.+?)\*\*|__(?=\S)(.+?)__|\*(?=[^\s*])((?:[^*]*?[^\s*])?)\*|(?<![\p{L}\p{N}_])_(?=[^\s_])((?:[^_]*?[^\s_])?)_(?![\p{L}\p{N}_])/gu;
+
+function el(tag, className) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  return node;
+}
+
+// The inline spans of `text`, appended to `parent`.
+export function renderInline(text, parent) {
+  let last = 0;
+  for (const m of text.matchAll(INLINE)) {
+    if (m.index > last) parent.appendChild(document.createTextNode(text.slice(last, m.index)));
+    if (m[1] !== undefined) {
+      const code = el("code");
+      code.textContent = m[1];
+      parent.appendChild(code);
+    } else if (m[2] !== undefined || m[3] !== undefined) {
+      renderInline(m[2] ?? m[3], parent.appendChild(el("strong")));
+    } else {
+      renderInline(m[4] ?? m[5], parent.appendChild(el("em")));
+    }
+    last = m.index + m[0].length;
+  }
+  if (last < text.length) parent.appendChild(document.createTextNode(text.slice(last)));
+}
+
+function copyText(text) {
+  if (navigator.clipboard && window.isSecureContext) return navigator.clipboard.writeText(text);
+  // Plain http on another host: no Clipboard API, so select a hidden textarea and copy it.
+  const area = el("textarea", "offscreen");
+  area.value = text;
+  document.body.appendChild(area);
+  area.select();
+  const ok = document.execCommand("copy");
+  area.remove();
+  return ok ? Promise.resolve() : Promise.reject(new Error("copy refused"));
+}
+
+function codeBlock(lang, code) {
+  const block = el("div", "code-block");
+  const head = block.appendChild(el("div", "code-head"));
+  head.appendChild(el("span", "code-lang")).textContent = lang;
+  const button = head.appendChild(el("button", "copy"));
+  button.type = "button";
+  button.textContent = "Copy";
+  button.addEventListener("click", () => {
+    copyText(code).then(() => { button.textContent = "Copied"; },
+                        () => { button.textContent = "Copy failed"; });
+    setTimeout(() => { button.textContent = "Copy"; }, 1500);
+  });
+  block.appendChild(el("pre")).appendChild(el("code")).textContent = code;
+  return block;
+}
+
+function paragraph(lines) {
+  const p = el("p");
+  lines.forEach((line, i) => {
+    if (i > 0) p.appendChild(el("br"));
+    renderInline(line, p);
+  });
+  return p;
+}
+
+// `text` as a DocumentFragment of block elements.
+export function renderMarkdown(text) {
+  const out = document.createDocumentFragment();
+  const lines = text.replace(/\r\n?/g, "\n").split("\n");
+  let para = [];
+  let list = null; // {node, ordered}
+  const flush = () => {
+    if (para.length) out.appendChild(paragraph(para));
+    para = [];
+  };
+  for (let i = 0; i < lines.length; i++) {
+    const line = lines[i];
+    const fence = FENCE.exec(line);
+    if (fence) {
+      flush();
+      list = null;
+      const body = [];
+      for (i++; i < lines.length && !lines[i].trim().startsWith(fence[1]); i++) body.push(lines[i]);
+      out.appendChild(codeBlock(fence[2], body.join("\n")));
+      continue;
+    }
+    const item = ITEM.exec(line);
+    if (item) {
+      flush();
+      const ordered = /\d/.test(item[1]);
+      if (!list || list.ordered !== ordered) {
+        list = { node: out.appendChild(el(ordered ? "ol" : "ul")), ordered };
+        if (ordered && parseInt(item[1], 10) !== 1) list.node.start = parseInt(item[1], 10);
+      }
+      renderInline(item[2], list.node.appendChild(el("li")));
+      continue;
+    }
+    if (list && /^\s{2,}\S/.test(line)) { // an indented line continues the list item
+      const li = list.node.lastChild;
+      li.appendChild(el("br"));
+      renderInline(line.trim(), li);
+      continue;
+    }
+    list = null;
+    const heading = HEADING.exec(line);
+    if (heading) {
+      flush();
+      renderInline(heading[2], out.appendChild(el(`h${Math.min(heading[1].length + 2, 6)}`)));
+    } else if (line.trim() === "") {
+      flush();
+    } else {
+      para.push(line);
+    }
+  }
+  flush();
+  return out;
+}

@@ -1,0 +1,22 @@
+"""A streamserve server inside the test process, on a free port."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from streamserve.config import Config
+from streamserve.frontend.async_engine import AsyncEngine
+from streamserve.server.app import build_app
+
+
+async def start(model_dir: str, **settings) -> tuple[web.AppRunner, AsyncEngine, str]:
+    """(runner, engine, base URL) of a ready server; `await runner.cleanup()` stops it."""
+    config = Config.from_kwargs(model=model_dir, dtype="float32", kv_cache_memory="32MiB", **settings)
+    engine = AsyncEngine(config)
+    runner = web.AppRunner(build_app(engine, config.server, config.served_model_name))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    await engine.wait_ready()
+    return runner, engine, f"http://127.0.0.1:{port}"
