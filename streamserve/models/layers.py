@@ -18,7 +18,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.kernels = None  # streamserve_kernels.norm on the Triton path (use_kernels)
+        # streamserve_kernels.norm on the Triton path, the C kernel (cpu_kernels.py) on the CPU
+        self.kernels = None
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
         if self.kernels is not None:  # one fused kernel; with a residual, in place on both
@@ -45,7 +46,7 @@ class Linear(nn.Module):
     On a CPU without fast bfloat16 GEMMs, a bfloat16 checkpoint runs in float32,
     but steps of a few tokens are bound by reading the weights, not by compute:
     for those, the half-size bfloat16 copy is faster (`ForwardContext.low_precision`),
-    read by the CPU GEMV kernel (cpu_gemv.py) where it builds, else by torch.
+    read by the CPU GEMV kernel (cpu_kernels.py) where it builds, else by torch.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:

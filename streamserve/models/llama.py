@@ -161,10 +161,16 @@ class LlamaForCausalLM(nn.Module):
         from streamserve_kernels import activation, norm, rotary
 
         self.rotary.kernel = rotary.rotary_embedding
-        self.norm.kernels = norm
+        self.use_norm_kernels(norm)
         for layer in self.layers:
-            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = norm
             layer.mlp.act = activation.silu_and_mul
+
+    def use_norm_kernels(self, kernels) -> None:
+        """Layer norms through `kernels.rms_norm` / `kernels.fused_add_rms_norm`: Triton's
+        (streamserve_kernels.norm) or the CPU's C kernel (models/cpu_kernels.py, float32)."""
+        self.norm.kernels = kernels
+        for layer in self.layers:
+            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
 
     def keep_low_precision_copies(self, dtype: torch.dtype, gemv=None) -> None:
         """Keep `dtype` copies of every linear weight for steps of a few tokens,

@@ -16,7 +16,7 @@ import torch
 
 from streamserve.config import Config
 from streamserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from streamserve.models import cpu_gemv
+from streamserve.models import cpu_kernels
 from streamserve.models.loader import load_model
 from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
 from streamserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -57,9 +57,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = load_model(config.model, self.device, self.dtype)
         self.use_low_precision = low_precision is not None
+        kernels = cpu_kernels.load() if self.device.type == "cpu" else None
+        if kernels is not None and self.dtype == torch.float32 and config.device.kernel_backend == "torch":
+            self.model.use_norm_kernels(kernels)
         if low_precision is not None:
-            kernels = cpu_gemv.load()
-            gemv = kernels and kernels.get(low_precision)
+            gemv = kernels and kernels.gemv.get(low_precision)
             logger.info("%s GEMMs are slow on this CPU: computing in float32, with %s weight copies "
                         "read by %s for steps of at most %d tokens", low_precision, low_precision,
                         "the CPU GEMV kernel" if gemv else "torch", LOW_PRECISION_MAX_TOKENS)

@@ -1,4 +1,6 @@
-/* Matrix times a few vectors for the CPU's small steps: y = x @ w.T with x float32 [M, K]
+/* The CPU path's C kernels, built and loaded by cpu_kernels.py. Needs AVX2 + FMA (+ F16C).
+ *
+ * gemv_bf16 / gemv_f16: matrix times a few vectors for the CPU's small steps: y = x @ w.T with x float32 [M, K]
  * (M small), w bfloat16 or float16 [N, K] (row-major, as nn.Linear keeps it), y float32 [M, N].
  *
  * A step of a few tokens reads every weight once, so it is bound by memory bandwidth.
@@ -9,9 +11,13 @@
  * is read once for all M vectors, four at a time, with float32 accumulators, while
  * the row four ahead is prefetched (about 20% more bandwidth than the hardware
  * prefetcher alone reaches on short rows).
- * Needs AVX2 + FMA (+ F16C for float16); built and loaded by cpu_gemv.py.
+ *
+ * rms_norm_f32: RMSNorm over rows of float32, optionally adding the residual first (in
+ * place, like the Triton kernel): one call instead of the eight small torch ops it
+ * takes in Python, each of which costs more in dispatch than the arithmetic.
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 
 static inline __m256 widen_bf16(const uint16_t *p) {
@@ -76,5 +82,38 @@ void gemv_f16(const float *x, const uint16_t *w, float *y, long M, long N, long 
     for (long n = 0; n < N; n++) {
         const uint16_t *wr = w + n * K;
         ROW_TIMES_VECTORS(widen_f16, scalar_f16)
+    }
+}
+
+/* out[t] = r[t] * rsqrt(mean(r[t]^2) + eps) * w, where r = x, or, with a residual,
+ * r = residual += x. x, residual, out: [T, H] contiguous float32 (out may be x). */
+void rms_norm_f32(const float *x, float *residual, const float *w, float *out, long T, long H, float eps) {
+#pragma omp parallel for schedule(static) if (T * H > 65536)
+    for (long t = 0; t < T; t++) {
+        const float *xr = x + t * H;
+        float *rr = residual ? residual + t * H : 0, *orow = out + t * H;
+        const float *src = rr ? rr : xr;
+        __m256 acc = _mm256_setzero_ps();
+        long k = 0;
+        for (; k + 8 <= H; k += 8) {
+            __m256 v = _mm256_loadu_ps(xr + k);
+            if (rr) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(rr + k));
+                _mm256_storeu_ps(rr + k, v);
+            }
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float sum = hsum(acc);
+        for (; k < H; k++) {
+            float v = xr[k];
+            if (rr) rr[k] = v = v + rr[k];
+            sum += v * v;
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)H + eps);
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (k = 0; k + 8 <= H; k += 8)
+            _mm256_storeu_ps(orow + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + k), vinv),
+                                                     _mm256_loadu_ps(w + k)));
+        for (; k < H; k++) orow[k] = (src[k] * inv) * w[k];
     }
 }

@@ -1,5 +1,6 @@
-"""The CPU GEMV kernel (half-size weights, float32 vectors) against float32 math, and a
-bfloat16 model whose small steps run on it against transformers."""
+"""The CPU's C kernels: the GEMV (half-size weights, float32 vectors) against float64 math,
+RMSNorm against the torch layer, and a bfloat16 model whose small steps run on the GEMV
+against transformers (the float32 parity tests run the C RMSNorm throughout)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from safetensors.torch import load_file, save_file
 
 from parity import check_parity
 from streamserve import LLM
-from streamserve.models import cpu_gemv
+from streamserve.models import cpu_kernels
+from streamserve.models.layers import RMSNorm
 from streamserve.worker.model_runner import choose_dtypes
 
-kernels = cpu_gemv.load()
-needs_kernel = pytest.mark.skipif(kernels is None, reason="the CPU GEMV kernel does not build here "
+kernels = cpu_kernels.load()
+needs_kernel = pytest.mark.skipif(kernels is None, reason="the CPU kernels do not build here "
                                   "(needs x86-64 with AVX2 and a C compiler)")
 
 
@@ -25,7 +27,7 @@ def test_kernel_matches_float32(dtype, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen).to(dtype)
-    y = kernels[dtype](x, w)
+    y = kernels.gemv[dtype](x, w)
     ref = x.double() @ w.double().t()
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
@@ -35,7 +37,36 @@ def test_kernel_matches_float32(dtype, m, n, k):
 def test_kernel_reads_strided_input():
     x = torch.randn(8, 64)[::2]  # every other row: not contiguous
     w = torch.randn(16, 64).to(torch.bfloat16)
-    torch.testing.assert_close(kernels[torch.bfloat16](x, w), x @ w.float().t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernels.gemv[torch.bfloat16](x, w), x @ w.float().t(), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (3, 64), (5, 37), (300, 256)])
+def test_rms_norm_matches_the_torch_layer(rows, hidden):
+    gen = torch.Generator().manual_seed(rows * hidden)
+    layer = RMSNorm(hidden, 1e-5)
+    layer.weight.data = torch.randn(hidden, generator=gen)
+    x, residual = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
+    with torch.no_grad():
+        ref_alone, (ref_out, ref_residual) = layer(x), layer(x, residual)
+    torch.testing.assert_close(kernels.rms_norm(x, layer.weight, 1e-5), ref_alone, rtol=1e-5, atol=1e-5)
+    x_in, res_in = x.clone(), residual.clone()
+    out, new_residual = kernels.fused_add_rms_norm(x_in, res_in, layer.weight, 1e-5)
+    assert out is x_in and new_residual is res_in  # in place, like the Triton kernel
+    torch.testing.assert_close(new_residual, ref_residual, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_rms_norm_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kernels.rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-5)
+
+
+@needs_kernel
+def test_float32_model_uses_the_c_norm(llama_dir):
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB")
+    assert llm.engine_core.model_runner.model.layers[0].input_layernorm.kernels is kernels
 
 
 @pytest.fixture(scope="module")
@@ -58,5 +89,5 @@ def test_bfloat16_model_small_steps_match_transformers(bf16_llama_dir):
         pytest.skip("this CPU computes bfloat16 natively: no low-precision copies")
     llm = LLM(bf16_llama_dir, dtype="bfloat16", kv_cache_memory="32MiB")
     runner = llm.engine_core.model_runner
-    assert runner.use_low_precision and runner.model.lm_head.gemv is kernels[torch.bfloat16]
+    assert runner.use_low_precision and runner.model.lm_head.gemv is kernels.gemv[torch.bfloat16]
     check_parity(llm, bf16_llama_dir)

@@ -1,0 +1,131 @@
+"""The CPU path's C kernels (csrc/cpu_kernels.c): the small-step GEMV over half-size
+weights, and RMSNorm (with the residual add) in one call.
+
+Built once per machine with the system C compiler into `$STREAMSERVE_CACHE/kernels`
+(a second or two), then loaded with ctypes, which releases the GIL during each call.
+Where they cannot be used (not x86-64 with AVX2, no compiler, `STREAMSERVE_CPU_KERNELS=0`),
+`load()` returns None and the layers keep using torch ops. The shared library links the
+OpenMP runtime that torch has already loaded, so both share one thread pool and
+`torch.set_num_threads`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from typing import Callable, Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm"]
+
+Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _usable() -> Optional[str]:
+    """Why the kernel cannot run here, or None when it can."""
+    if os.environ.get("STREAMSERVE_CPU_KERNELS", "1") == "0":
+        return "STREAMSERVE_CPU_KERNELS=0"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"{platform.machine()} is not x86-64"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return "the CPU has no AVX2"
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        return "no C compiler (cc) found"
+    return None
+
+
+def _build(compiler: str) -> str:
+    from streamserve.models.resolve import cache_dir
+
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, platform.node()]).encode()).hexdigest()[:16]
+    out_dir = os.path.join(cache_dir(), "kernels")
+    target = os.path.join(out_dir, f"cpu_kernels-{key}.so")
+    if os.path.exists(target):
+        return target
+    os.makedirs(out_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, SOURCE, "-o", tmp], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)  # atomic: two processes building at once both end up with one file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class CpuKernels:
+    """gemv[dtype](x [M, K] float32, w [N, K] dtype) -> [M, N] float32, for bfloat16 and
+    float16 weights; rms_norm / fused_add_rms_norm with streamserve_kernels.norm's
+    interface (float32, [T, H] contiguous), so RMSNorm takes either as its `kernels`."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.gemv: dict[torch.dtype, Gemv] = {}
+        for dtype, name in ((torch.bfloat16, "gemv_bf16"), (torch.float16, "gemv_f16")):
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+            fn.restype = None
+            self.gemv[dtype] = _wrap_gemv(fn)
+        self._norm = lib.rms_norm_f32
+        self._norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
+        self._norm.restype = None
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        _check_rows(x)
+        out = torch.empty_like(x)
+        self._norm(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+        return out
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """In place on both: residual += x; x = rmsnorm(residual) * weight. Returns (x, residual)."""
+        _check_rows(x)
+        _check_rows(residual)
+        self._norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.data_ptr(),
+                   x.shape[0], x.shape[1], eps)
+        return x, residual
+
+
+def _check_rows(x: torch.Tensor) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
+        raise ValueError(f"the CPU RMSNorm kernel takes contiguous float32 [T, H] CPU tensors, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+
+
+@lru_cache(maxsize=None)
+def load() -> Optional[CpuKernels]:
+    """The kernels, built on first use; None where they cannot run (the log says why)."""
+    reason = _usable()
+    if reason is None:
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        try:
+            lib = ctypes.CDLL(_build(compiler))
+        except (OSError, subprocess.CalledProcessError) as exc:
+            reason = f"building {SOURCE} failed: {getattr(exc, 'stderr', None) or exc}"
+    if reason is not None:
+        logger.info("CPU kernels not used (%s): the CPU path uses torch ops only", reason)
+        return None
+    return CpuKernels(lib)
+
+
+def _wrap_gemv(fn) -> Gemv:
+    def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        (m, k), n = x.shape, w.shape[0]
+        y = torch.empty(m, n)
+        fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k)
+        return y
+    return gemv
