@@ -53,6 +53,18 @@ def make_workload(n: int, vocab: int, seed: int, min_prompt: int, max_prompt: in
              rng.randint(min_out, max_out)) for _ in range(n)]
 
 
+def start_decoding(llm, workload) -> None:
+    """Add the workload's requests (greedy, ignore_eos) and step until every prompt has been
+    read, so that the engine's next steps are pure decode steps."""
+    from streamserve import SamplingParams
+
+    for prompt, max_tokens in workload:
+        llm._add_request(None, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    sched = llm.engine_core.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
+        llm.engine_core.step()
+
+
 def run_streamserve(llm, workload) -> tuple[float, int]:
     from streamserve import SamplingParams
 

@@ -33,7 +33,8 @@ import traceback
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "kernels")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "tests"),
+                os.path.join(ROOT, "tests", "kernels")]
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
@@ -220,17 +221,10 @@ def write_model_dir(work: str, shape: dict) -> str:
 
 
 def decode_steps_per_second(llm, batch: int, context: int, steps: int) -> float:
-    from streamserve import SamplingParams
+    from bench_throughput import make_workload, start_decoding
 
-    core = llm.engine_core
-    gen = torch.Generator().manual_seed(batch)
-    vocab = core.model_runner.model.arch.vocab_size
-    for _ in range(batch):
-        prompt = torch.randint(3, vocab, (context,), generator=gen).tolist()
-        llm._add_request(None, prompt, SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
-    sched = core.scheduler
-    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
-        core.step()
+    core, sched = llm.engine_core, llm.engine_core.scheduler
+    start_decoding(llm, make_workload(batch, core.vocab_size, batch, context, context, steps + 8, steps + 8))
     for _ in range(3):
         core.step()  # warm
     start = time.perf_counter()

@@ -14,7 +14,7 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_throughput import make_workload, random_smollm2_shaped  # noqa: E402
+from bench_throughput import make_workload, random_smollm2_shaped, start_decoding  # noqa: E402
 
 
 def main() -> None:
@@ -27,19 +27,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=25, help="ops listed")
     args = parser.parse_args()
 
-    from streamserve import LLM, SamplingParams
+    from streamserve import LLM
 
     model = args.model or random_smollm2_shaped(
         os.path.join(os.path.expanduser("~/.cache/streamserve"), "bench-smollm2-shape"))
     llm = LLM(model, dtype=args.dtype, kv_cache_memory="2GiB")
     core = llm.engine_core
     steps = args.steps + 10
-    for prompt, max_tokens in make_workload(args.batch, core.vocab_size, 1, args.prompt_len,
-                                            args.prompt_len, steps, steps):
-        llm._add_request(None, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
-    while core.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                        for r in core.scheduler.running):
-        core.step()
+    start_decoding(llm, make_workload(args.batch, core.vocab_size, 1, args.prompt_len, args.prompt_len,
+                                      steps, steps))
     core.step()
     start = time.perf_counter()
     for _ in range(args.steps):

@@ -40,9 +40,13 @@ def _usable() -> Optional[str]:
         return f"{platform.machine()} is not x86-64"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return "the CPU has no AVX2"
-    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+    if not _compiler():
         return "no C compiler (cc) found"
     return None
+
+
+def _compiler() -> Optional[str]:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
 def _build(compiler: str) -> str:
@@ -110,9 +114,8 @@ def load() -> Optional[CpuKernels]:
     """The kernels, built on first use; None where they cannot run (the log says why)."""
     reason = _usable()
     if reason is None:
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         try:
-            lib = ctypes.CDLL(_build(compiler))
+            lib = ctypes.CDLL(_build(_compiler()))
         except (OSError, subprocess.CalledProcessError) as exc:
             reason = f"building {SOURCE} failed: {getattr(exc, 'stderr', None) or exc}"
     if reason is not None:

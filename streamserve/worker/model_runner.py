@@ -80,7 +80,6 @@ class ModelRunner:
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [self._zeros(shape) for _ in range(arch.num_layers)]
-        self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
         self.graphs: Optional[DecodeGraphs] = None
         if config.device.use_cuda_graphs:
             self.graphs = self.make_decode_graphs()
@@ -133,7 +132,7 @@ class ModelRunner:
         lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
         tables, next_block = [], 0
         for n in lens:
-            tables.append(list(range(next_block, next_block + -(-n // bs))))
+            tables.append(np.arange(next_block, next_block + -(-n // bs), dtype=np.int64))
             next_block += len(tables[-1])
         shape = (2, next_block, bs, self.num_kv_heads, self.head_dim)
         scratch = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
@@ -238,18 +237,17 @@ class ModelRunner:
                 logits_indices.append(i)
                 samplers.append(state)
 
-        chunks: list[tuple[int, int, list[int]]] = []  # (rows, context before, block table)
+        chunks: list[tuple[int, int, np.ndarray]] = []  # (rows, context before, block table)
         start = len(decodes)
         ids_parts, pos_parts, slot_parts = [input_ids], [positions], [slots]
         for state, n in prefills:
             ctx = state.num_computed_tokens
             pos = np.arange(ctx, ctx + n, dtype=np.int64)
-            block_ids = state.block_ids[:-(-(ctx + n) // bs)]
-            table = np.asarray(block_ids, dtype=np.int64)
+            table = np.asarray(state.block_ids[:-(-(ctx + n) // bs)], dtype=np.int64)
             ids_parts.append(state.token_ids[ctx:ctx + n])
             pos_parts.append(pos)
             slot_parts.append(table[pos // bs] * bs + pos % bs)
-            chunks.append((n, ctx, block_ids))
+            chunks.append((n, ctx, table))
             if ctx + n == len(state.token_ids):
                 logits_indices.append(start + n - 1)
                 samplers.append(state)
@@ -270,14 +268,14 @@ class ModelRunner:
         return TorchPagedAttention(kv_caches, meta, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def _attention_metadata(self, slot_mapping: torch.Tensor, decode_blocks: list[list[int]],
-                            decode_lens: list[int], chunks: list[tuple[int, int, list[int]]]):
+                            decode_lens: list[int], chunks: list[tuple[int, int, np.ndarray]]):
         """Decodes (their block ids and sequence lengths) and prefill chunks (rows, context
         before, block table) as the backend's metadata."""
         if self.triton:
             return self._triton_metadata(slot_mapping, decode_blocks, decode_lens, chunks)
         prefills, start = [], len(decode_blocks)
-        for n, ctx, block_ids in chunks:
-            prefills.append(PrefillChunk(start, start + n, ctx, self._tensor(np.asarray(block_ids, dtype=np.int64))))
+        for n, ctx, table in chunks:
+            prefills.append(PrefillChunk(start, start + n, ctx, self._tensor(table)))
             start += n
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(decode_blocks),
                                  decode_block_tables=None, decode_mask=None, prefills=prefills)
@@ -286,15 +284,12 @@ class ModelRunner:
         return meta
 
     def _triton_metadata(self, slot_mapping: torch.Tensor, decode_blocks: list[list[int]],
-                         decode_lens: list[int], chunks: list[tuple[int, int, list[int]]]):
+                         decode_lens: list[int], chunks: list[tuple[int, int, np.ndarray]]):
         from streamserve_kernels.attention import choose_num_splits
 
-        bs, nd = self.block_size, len(decode_blocks)
+        nd = len(decode_blocks)
         seq_lens = decode_lens + [ctx + n for n, ctx, _ in chunks]
-        tables = np.zeros((len(seq_lens), max(-(-n // bs) for n in seq_lens)), dtype=np.int32)
-        for i, (blocks, n) in enumerate(zip(decode_blocks + [t for _, _, t in chunks], seq_lens)):
-            nb = -(-n // bs)
-            tables[i, :nb] = blocks[:nb]
+        tables = self._block_tables(decode_blocks + [t for _, _, t in chunks], seq_lens, np.int32)
         rows = np.cumsum([0] + [1] * nd + [n for n, _, _ in chunks], dtype=np.int32)
         num_splits = choose_num_splits(max(decode_lens), nd, self.num_kv_heads, MAX_DECODE_SPLITS) if nd else 1
         return TritonAttentionMetadata(
@@ -309,26 +304,32 @@ class ModelRunner:
         from streamserve_kernels.attention import choose_num_splits
 
         max_len = self.config.model.max_model_len
+        max_blocks_per_seq = -(-max_len // self.block_size)
 
         def forward(input_ids, positions, meta):
             return self.model(input_ids, positions, self._attention(meta, self.kv_caches))
 
-        return DecodeGraphs(forward, capture_sizes(self.config.scheduler.max_num_seqs), self.max_blocks_per_seq,
+        return DecodeGraphs(forward, capture_sizes(self.config.scheduler.max_num_seqs), max_blocks_per_seq,
                             lambda b: choose_num_splits(max_len, b, self.num_kv_heads, MAX_DECODE_SPLITS),
                             self.device)
 
     def _replays(self, meta, num_tokens: int) -> bool:
         """Whether this step is a pure-decode batch a captured graph (or its buffers) serves."""
-        return (self.graphs is not None and isinstance(meta, TritonAttentionMetadata)
-                and meta.num_decodes == num_tokens and num_tokens <= self.graphs.max_batch)
+        return (self.graphs is not None and meta.num_decodes == num_tokens
+                and num_tokens <= self.graphs.max_batch)
+
+    def _block_tables(self, blocks: list, seq_lens: list[int], dtype) -> np.ndarray:
+        """[B, blocks of the longest sequence]: each sequence's blocks covering its length, 0 after."""
+        bs = self.block_size
+        tables = np.zeros((len(blocks), -(-max(seq_lens) // bs)), dtype=dtype)
+        for i, (ids, n) in enumerate(zip(blocks, seq_lens)):
+            nb = -(-n // bs)
+            tables[i, :nb] = ids[:nb]
+        return tables
 
     def _decode_tables(self, decode_blocks: list[list[int]], seq_lens: list[int]):
-        bs = self.block_size
-        max_blocks = -(-max(seq_lens) // bs)
-        tables = np.zeros((len(decode_blocks), max_blocks), dtype=np.int64)
-        for i, (blocks, n) in enumerate(zip(decode_blocks, seq_lens)):
-            nb = -(-n // bs)
-            tables[i, :nb] = blocks[:nb]
+        tables = self._block_tables(decode_blocks, seq_lens, np.int64)
+        bs, max_blocks = self.block_size, tables.shape[1]
         if all(n == max_blocks * bs for n in seq_lens):
             return self._tensor(tables), None  # every row fills its blocks exactly
         lens = torch.tensor(seq_lens, device=self.device)
