@@ -83,8 +83,17 @@ class KVCacheManager:
         computed ones (and after `new_computed_blocks`, a prefix hit being taken).
         Returns the newly taken blocks, or None (and changes nothing) if the pool
         cannot supply them."""
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if req_blocks is not None and not new_computed_blocks:
+            # The common decode step: the tokens fit the blocks held and fill no new one.
+            end = request.num_computed_tokens + num_new_tokens
+            if end <= len(req_blocks) * self.block_size and (
+                    not self.enable_caching
+                    or end // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)):
+                return []
         computed = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request.request_id] = []
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = num_needed - len(req_blocks) - len(computed)

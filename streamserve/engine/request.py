@@ -133,7 +133,7 @@ class Request:
     def check_stop(self) -> bool:
         """Set a finished status if the last sampled token ends the request."""
         params = self.sampling_params
-        n = self.num_output_tokens
+        n = len(self.output_token_ids)
         last = self.output_token_ids[-1]
         if n >= params.min_tokens:
             if last == self.eos_token_id and not params.ignore_eos:

@@ -72,14 +72,17 @@ class Scheduler:
         preempted: list[Request] = []
         kv = self.kv_cache_manager
 
-        # 1. Running requests first, oldest first.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        # 1. Running requests first, oldest first. (The scheduled tokens count as computed
+        # from here on: the step runs them.) Preemption takes from the end, never a
+        # request this loop has already scheduled.
+        i, running = 0, self.running
+        while i < len(running) and budget > 0:
+            request = running[i]
+            num_computed = request.num_computed_tokens
+            num_new = min(len(request.all_token_ids) - num_computed, budget)
             new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -89,8 +92,9 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new
             cached.req_ids.append(request.request_id)
-            cached.new_block_ids.append([b.block_id for b in new_blocks])
-            cached.num_computed_tokens.append(request.num_computed_tokens)
+            cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
+            cached.num_computed_tokens.append(num_computed)
+            request.num_computed_tokens = num_computed + num_new
             budget -= num_new
             i += 1
 
@@ -115,6 +119,7 @@ class Scheduler:
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                 request.sampling_params, request.eos_token_id,
                 kv.get_block_ids(request.request_id), num_hit))
+            request.num_computed_tokens += num_new
             budget -= num_new
 
         output = SchedulerOutput(
@@ -126,9 +131,6 @@ class Scheduler:
             preempted_req_ids=[r.request_id for r in preempted],
         )
         self.finished_req_ids = set()
-        # The scheduled tokens count as computed from here on (the step runs them).
-        for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
         return output
 
     def _preempt(self, request: Request) -> None:
@@ -143,17 +145,16 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish what is done, free it, report every change."""
         outputs: list[EngineCoreOutput] = []
-        logprobs = runner_output.logprobs
+        logprobs, requests = runner_output.logprobs, self.requests
         any_finished = False
-        for i, req_id in enumerate(runner_output.req_ids):
-            request = self.requests.get(req_id)
+        for i, (req_id, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+            request = requests.get(req_id)
             if request is None:  # aborted while the step ran
                 continue
-            token = runner_output.sampled_token_ids[i]
             request.append_output_token(token)
             finished = request.check_stop()
             queue_time = None
-            if request.num_output_tokens == 1 and request.first_scheduled_time is not None:
+            if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
                 queue_time = request.first_scheduled_time - request.arrival_time
             outputs.append(EngineCoreOutput(
                 req_id, [token], None if logprobs is None or logprobs[i] is None else [logprobs[i]],

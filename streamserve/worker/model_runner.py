@@ -19,10 +19,12 @@ from streamserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutp
 from streamserve.models import cpu_kernels
 from streamserve.models.loader import load_model
 from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
+from streamserve.worker.block_table import BlockTable
 from streamserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamserve.worker.request_state import RequestState
 from streamserve.worker.triton_attention import TritonAttentionMetadata, TritonPagedAttention
 from streamserve.worker.sampler import Sampler
+from streamserve.worker.staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +58,7 @@ class ModelRunner:
         self.dtype, low_precision = choose_dtypes(config.model.torch_dtype, self.device)
         self.block_size = config.cache.block_size
         self.model = load_model(config.model, self.device, self.dtype)
+        self.to_device = HostStaging(self.device)  # numpy array -> device tensor
         self.use_low_precision = low_precision is not None
         kernels = cpu_kernels.load() if self.device.type == "cpu" else None
         if kernels is not None and self.dtype == torch.float32 and config.device.kernel_backend == "torch":
@@ -86,6 +89,8 @@ class ModelRunner:
             self.graphs.capture()
         self.sampler = Sampler(self.device, config.model.seed)
         self.requests: dict[str, RequestState] = {}
+        self.block_table = BlockTable(config.scheduler.max_num_seqs,
+                                      -(-config.model.max_model_len // self.block_size))
         # Seeded generators outlive preemption, so a resumed request keeps its stream.
         self.generators: dict[str, torch.Generator] = {}
 
@@ -130,21 +135,22 @@ class ModelRunner:
         sched, bs = self.config.scheduler, self.block_size
         tokens, max_len = sched.max_num_batched_tokens, self.config.model.max_model_len
         lens = [max_len] * (tokens // max_len) + ([tokens % max_len] if tokens % max_len else [])
-        tables, next_block = [], 0
-        for n in lens:
-            tables.append(np.arange(next_block, next_block + -(-n // bs), dtype=np.int64))
-            next_block += len(tables[-1])
-        shape = (2, next_block, bs, self.num_kv_heads, self.head_dim)
+        # Sequence i holds the consecutive blocks first[i], first[i] + 1, ...
+        num_blocks = [-(-n // bs) for n in lens]
+        first = np.cumsum([0] + num_blocks)
+        tables = np.zeros((len(lens), max(num_blocks)), dtype=np.int64)
+        for i, nb in enumerate(num_blocks):
+            tables[i, :nb] = np.arange(first[i], first[i] + nb)
+        shape = (2, int(first[-1]), bs, self.num_kv_heads, self.head_dim)
         scratch = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
         positions = np.concatenate([np.arange(n) for n in lens])
-        starts = np.repeat([t[0] * bs for t in tables], lens)
-        slots, ids = self._tensor(starts + positions), torch.zeros(tokens, dtype=torch.int64, device=self.device)
-        chunks = [(n, 0, t) for n, t in zip(lens, tables)]
-        meta = self._attention_metadata(slots, [], [], chunks)
+        slots = self.to_device(np.repeat(first[:-1] * bs, lens) + positions)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
+        meta = self._attention_metadata(slots, tables, np.array(lens), 0, 0, [(n, 0) for n in lens])
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        hidden = self.model(ids, self._tensor(positions), self._attention(meta, scratch))
+        hidden = self.model(ids, self.to_device(positions), self._attention(meta, scratch))
         rows = min(sched.max_num_seqs, tokens)
         logits = self.model.compute_logits(hidden[:rows])
         torch.softmax(logits.float(), -1).argmax(-1)
@@ -188,18 +194,25 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            self._forget(req_id)
             self.generators.pop(req_id, None)
         for req_id in so.preempted_req_ids:
-            self.requests.pop(req_id, None)
+            self._forget(req_id)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = RequestState(new, self._generator(new.req_id, new.sampling_params.seed))
+            self.requests[new.req_id] = RequestState(new, self._generator(new.req_id, new.sampling_params.seed),
+                                                     self.block_table.add(new.block_ids))
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                    cached.num_computed_tokens):
             state = self.requests[req_id]
-            state.block_ids.extend(block_ids)
+            if block_ids:
+                self.block_table.append(state.row, block_ids)
             state.num_computed_tokens = num_computed
+
+    def _forget(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.block_table.remove(state.row)
 
     def _generator(self, req_id: str, seed: Optional[int]) -> Optional[torch.Generator]:
         if seed is None:
@@ -211,7 +224,8 @@ class ModelRunner:
         return self.generators[req_id]
 
     def _prepare_inputs(self, so: SchedulerOutput):
-        bs = self.block_size
+        self.to_device.begin_step()
+        bs, table = self.block_size, self.block_table.table
         decodes: list[RequestState] = []
         prefills: list[tuple[RequestState, int]] = []
         for req_id, n in so.num_scheduled_tokens.items():
@@ -221,43 +235,41 @@ class ModelRunner:
             else:
                 prefills.append((state, n))
 
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_indices: list[int] = []
-        samplers: list[RequestState] = []
-        seq_lens: list[int] = []
-        for i, state in enumerate(decodes):
-            p = state.num_computed_tokens
-            input_ids.append(state.token_ids[p])
-            positions.append(p)
-            slots.append(state.block_ids[p // bs] * bs + p % bs)
-            seq_lens.append(p + 1)
-            if p + 1 == len(state.token_ids):
-                logits_indices.append(i)
-                samplers.append(state)
+        # Decodes first: arrays over their rows of the persistent block table.
+        nd = len(decodes)
+        computed = [s.num_computed_tokens for s in decodes]
+        pos = np.array(computed, dtype=np.int64)
+        blocks, offsets = np.divmod(pos, bs)
+        ids = [np.array([s.token_ids[p] for s, p in zip(decodes, computed)], dtype=np.int64)]
+        positions, seq_lens, rows = [pos], [pos + 1], [s.row for s in decodes]
+        slots = [table[rows, blocks] * bs + offsets]
+        max_decode_len = max(computed, default=0) + 1
+        # A decode row samples unless it reads a prompt token alone (a chunk of one).
+        logits_indices = [i for i, (s, p) in enumerate(zip(decodes, computed)) if p + 1 == len(s.token_ids)]
+        samplers = decodes if len(logits_indices) == nd else [decodes[i] for i in logits_indices]
 
-        chunks: list[tuple[int, int, np.ndarray]] = []  # (rows, context before, block table)
-        start = len(decodes)
-        ids_parts, pos_parts, slot_parts = [input_ids], [positions], [slots]
+        chunks: list[tuple[int, int]] = []  # (rows, context before)
+        start = nd
         for state, n in prefills:
             ctx = state.num_computed_tokens
-            pos = np.arange(ctx, ctx + n, dtype=np.int64)
-            table = np.asarray(state.block_ids[:-(-(ctx + n) // bs)], dtype=np.int64)
-            ids_parts.append(state.token_ids[ctx:ctx + n])
-            pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
-            chunks.append((n, ctx, table))
+            p = np.arange(ctx, ctx + n, dtype=np.int64)
+            ids.append(np.asarray(state.token_ids[ctx:ctx + n], dtype=np.int64))
+            positions.append(p)
+            slots.append(table[state.row, p // bs] * bs + p % bs)
+            seq_lens.append(np.array([ctx + n]))
+            rows.append(state.row)
+            chunks.append((n, ctx))
             if ctx + n == len(state.token_ids):
                 logits_indices.append(start + n - 1)
                 samplers.append(state)
             start += n
 
-        slot_mapping = self._tensor(np.concatenate([np.asarray(s, dtype=np.int64) for s in slot_parts]))
-        meta = self._attention_metadata(slot_mapping, [d.block_ids for d in decodes], seq_lens, chunks)
-        return (self._tensor(np.concatenate([np.asarray(x, dtype=np.int64) for x in ids_parts])),
-                self._tensor(np.concatenate([np.asarray(x, dtype=np.int64) for x in pos_parts])),
-                meta, self._tensor(np.asarray(logits_indices, dtype=np.int64)), samplers)
+        max_len = max([max_decode_len] + [ctx + n for n, ctx in chunks])
+        tables = table[rows, :-(-max_len // bs)]
+        meta = self._attention_metadata(self.to_device(_cat(slots)), tables, _cat(seq_lens), nd, max_decode_len,
+                                        chunks)
+        return (self.to_device(_cat(ids)), self.to_device(_cat(positions)), meta,
+                self.to_device(np.array(logits_indices, dtype=np.int64)), samplers)
 
     # -- attention metadata, per backend -------------------------------------------
 
@@ -267,35 +279,34 @@ class ModelRunner:
                                         self.workspace)
         return TorchPagedAttention(kv_caches, meta, self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def _attention_metadata(self, slot_mapping: torch.Tensor, decode_blocks: list[list[int]],
-                            decode_lens: list[int], chunks: list[tuple[int, int, np.ndarray]]):
-        """Decodes (their block ids and sequence lengths) and prefill chunks (rows, context
-        before, block table) as the backend's metadata."""
+    def _attention_metadata(self, slot_mapping: torch.Tensor, tables: np.ndarray, seq_lens: np.ndarray,
+                            nd: int, max_decode_len: int, chunks: list[tuple[int, int]]):
+        """The step's sequences, decodes first, as the backend's metadata: their block tables
+        ([B, blocks of the longest], int64, 0 past a sequence's blocks), their lengths after
+        this step; of the first nd (the decodes) the longest; then each prefill chunk's rows
+        and the context before it."""
+        bs = self.block_size
         if self.triton:
-            return self._triton_metadata(slot_mapping, decode_blocks, decode_lens, chunks)
-        prefills, start = [], len(decode_blocks)
-        for n, ctx, table in chunks:
-            prefills.append(PrefillChunk(start, start + n, ctx, self._tensor(table)))
+            from streamserve_kernels.attention import choose_num_splits
+
+            query_start_loc = np.arange(nd + 1 + len(chunks), dtype=np.int32)
+            if chunks:
+                query_start_loc[nd + 1:] = nd + np.cumsum([n for n, _ in chunks])
+            num_splits = choose_num_splits(max_decode_len, nd, self.num_kv_heads, MAX_DECODE_SPLITS) if nd else 1
+            return TritonAttentionMetadata(
+                slot_mapping=slot_mapping, query_start_loc=self.to_device(query_start_loc),
+                seq_lens=self.to_device(seq_lens.astype(np.int32)), block_tables=self.to_device(tables.astype(np.int32)),
+                num_decodes=nd, max_query_len=max([1] + [n for n, _ in chunks]), num_splits=num_splits)
+        prefills, start = [], nd
+        for i, (n, ctx) in enumerate(chunks):
+            prefills.append(PrefillChunk(start, start + n, ctx, self.to_device(tables[nd + i, :-(-(ctx + n) // bs)])))
             start += n
-        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=len(decode_blocks),
+        meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=nd,
                                  decode_block_tables=None, decode_mask=None, prefills=prefills)
-        if decode_blocks:
-            meta.decode_block_tables, meta.decode_mask = self._decode_tables(decode_blocks, decode_lens)
+        if nd:
+            meta.decode_block_tables, meta.decode_mask = self._decode_tables(tables[:nd], seq_lens[:nd],
+                                                                             max_decode_len)
         return meta
-
-    def _triton_metadata(self, slot_mapping: torch.Tensor, decode_blocks: list[list[int]],
-                         decode_lens: list[int], chunks: list[tuple[int, int, np.ndarray]]):
-        from streamserve_kernels.attention import choose_num_splits
-
-        nd = len(decode_blocks)
-        seq_lens = decode_lens + [ctx + n for n, ctx, _ in chunks]
-        tables = self._block_tables(decode_blocks + [t for _, _, t in chunks], seq_lens, np.int32)
-        rows = np.cumsum([0] + [1] * nd + [n for n, _, _ in chunks], dtype=np.int32)
-        num_splits = choose_num_splits(max(decode_lens), nd, self.num_kv_heads, MAX_DECODE_SPLITS) if nd else 1
-        return TritonAttentionMetadata(
-            slot_mapping=slot_mapping, query_start_loc=self._tensor(rows),
-            seq_lens=self._tensor(np.asarray(seq_lens, dtype=np.int32)), block_tables=self._tensor(tables),
-            num_decodes=nd, max_query_len=max([1] + [n for n, _, _ in chunks]), num_splits=num_splits)
 
     # -- CUDA graphs -----------------------------------------------------------------
 
@@ -318,25 +329,19 @@ class ModelRunner:
         return (self.graphs is not None and meta.num_decodes == num_tokens
                 and num_tokens <= self.graphs.max_batch)
 
-    def _block_tables(self, blocks: list, seq_lens: list[int], dtype) -> np.ndarray:
-        """[B, blocks of the longest sequence]: each sequence's blocks covering its length, 0 after."""
-        bs = self.block_size
-        tables = np.zeros((len(blocks), -(-max(seq_lens) // bs)), dtype=dtype)
-        for i, (ids, n) in enumerate(zip(blocks, seq_lens)):
-            nb = -(-n // bs)
-            tables[i, :nb] = ids[:nb]
-        return tables
-
-    def _decode_tables(self, decode_blocks: list[list[int]], seq_lens: list[int]):
-        tables = self._block_tables(decode_blocks, seq_lens, np.int64)
-        bs, max_blocks = self.block_size, tables.shape[1]
-        if all(n == max_blocks * bs for n in seq_lens):
-            return self._tensor(tables), None  # every row fills its blocks exactly
-        lens = torch.tensor(seq_lens, device=self.device)
-        visible = torch.arange(max_blocks * bs, device=self.device).unsqueeze(0) < lens.unsqueeze(1)
+    def _decode_tables(self, tables: np.ndarray, seq_lens: np.ndarray, max_len: int):
+        """The decodes' block tables (as wide as the longest needs) and, unless every row
+        fills its blocks exactly, an additive mask hiding the slots past each length."""
+        max_blocks = -(-max_len // self.block_size)
+        tables = self.to_device(np.ascontiguousarray(tables[:, :max_blocks]))
+        if (seq_lens == max_blocks * self.block_size).all():
+            return tables, None
+        visible = torch.arange(max_blocks * self.block_size, device=self.device) < self.to_device(seq_lens)[:, None]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible, float("-inf"))
-        return self._tensor(tables), mask.view(len(decode_blocks), 1, 1, -1)
+        return tables, mask.view(len(seq_lens), 1, 1, -1)
 
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device)
+
+
+def _cat(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)

@@ -12,15 +12,15 @@ from streamserve.sampling_params import SamplingParams
 
 class RequestState:
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "params", "eos_token_id",
-                 "block_ids", "num_computed_tokens", "generator")
+                 "row", "num_computed_tokens", "generator")
 
-    def __init__(self, new: NewRequestData, generator: Optional[torch.Generator]) -> None:
+    def __init__(self, new: NewRequestData, generator: Optional[torch.Generator], row: int = -1) -> None:
         self.req_id = new.req_id
         self.token_ids: list[int] = list(new.token_ids)  # prompt + output, grows as we sample
         self.num_prompt_tokens = new.num_prompt_tokens
         self.params: SamplingParams = new.sampling_params
         self.eos_token_id = new.eos_token_id
-        self.block_ids: list[int] = list(new.block_ids)
+        self.row = row  # its row of the runner's BlockTable (which holds its block IDs)
         self.num_computed_tokens = new.num_computed_tokens
         self.generator = generator
 

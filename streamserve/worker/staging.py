@@ -1,0 +1,54 @@
+"""HostStaging: a step's small index arrays reach the GPU without a stall per array.
+
+`torch.from_numpy(a).to("cuda")` copies from pageable memory, which CUDA does
+synchronously, each time: a step's half-dozen such copies (token IDs, positions, slots,
+sequence lengths, block tables, ...) cost more than the kernels of a small decode step.
+Here each array is written into one pinned buffer and copied with non_blocking=True, so
+the copies queue behind each other on the stream and the CPU goes on. A step starts with
+`begin_step()`, which waits until the previous step's copies have read the buffer before
+it is written again (by then they have: the sampler's result already came back).
+
+On the CPU there is nothing to copy: `__call__` returns the array's own memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_ALIGN = 64
+
+
+class HostStaging:
+    def __init__(self, device: torch.device, capacity: int = 4 << 20) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.capacity = capacity
+        self.offset = 0
+        if self.pinned:
+            self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+            self.host_np = self.host.numpy()
+            self.copied = torch.cuda.Event()
+
+    def begin_step(self) -> None:
+        if self.pinned and self.offset:
+            self.copied.synchronize()
+        self.offset = 0
+
+    def __call__(self, array: np.ndarray) -> torch.Tensor:
+        if not self.pinned:
+            return torch.from_numpy(array).to(self.device)
+        array = np.ascontiguousarray(array)
+        n = array.nbytes
+        if self.offset + n > self.capacity:
+            if n > self.capacity:  # larger than the whole buffer: a plain (synchronous) copy
+                return torch.from_numpy(array).to(self.device)
+            self.copied.synchronize()  # every copy so far has read the buffer: start again at 0
+            self.offset = 0
+        start = self.offset
+        self.offset = -(-(start + n) // _ALIGN) * _ALIGN
+        view = self.host_np[start:start + n].view(array.dtype).reshape(array.shape)
+        view[...] = array
+        out = torch.from_numpy(view).to(self.device, non_blocking=True)
+        self.copied.record()
+        return out
