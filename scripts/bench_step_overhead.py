@@ -4,11 +4,14 @@ On a GPU the model's step at small batches takes about a millisecond, so whateve
 spends in Python around it decides how much of the GPU's speed a user sees (the CPU and the
 GPU take turns: the next step is scheduled only after this step's tokens are known). This
 script times exactly that part on the CPU: requests are added and stepped as usual, but
-the model never runs; each step's sampled tokens are a fixed token.
+the model never runs; each step's "sampled" tokens are random. The columns: schedule,
+prepare (the runner's inputs and attention metadata), update (the scheduler takes the
+tokens), text (detokenising and the streamed deltas, which the server's event loop does).
 
     python scripts/bench_step_overhead.py                     # batches 1, 64, 256, context ~512
     python scripts/bench_step_overhead.py --backend torch     # the CPU attention path's metadata
     python scripts/bench_step_overhead.py --batches 1 8 --context 2000
+    python scripts/bench_step_overhead.py --model smollm2-135m-instruct   # its real tokenizer
 
 The Triton backend's metadata is built on the CPU as it would be on a GPU (no kernel runs).
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import time
 
@@ -33,12 +37,17 @@ def measure(model: str, backend: str, batch: int, context: int, steps: int) -> d
     llm = LLM(model, dtype="float32", load_format="dummy", kernel_backend=backend, max_num_seqs=batch,
               max_model_len=context + steps + 64, max_num_batched_tokens=max(8192, context + 64),
               kv_cache_memory="16GiB")  # calloc'd: untouched pages cost nothing
-    core = llm.engine_core
+    core, processor = llm.engine_core, llm.output_processor
     sched, runner = core.scheduler, core.model_runner
-    for prompt, _ in make_workload(batch, core.vocab_size, 0, context - 16, context, 1, 1):
-        llm._add_request(None, prompt, SamplingParams(temperature=0, max_tokens=steps + 32, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=steps + 32, ignore_eos=True)
+    for i, (prompt, _) in enumerate(make_workload(batch, core.vocab_size, 0, context - 16, context, 1, 1)):
+        # as the server adds a streamed request
+        for request in llm.input_processor.process(processor.add_request(str(i), None, prompt, params, stream=True),
+                                                   prompt, params):
+            core.add_request(request)
+    rng = random.Random(0)
 
-    def step() -> tuple[float, float, float]:
+    def step() -> tuple[float, float, float, float]:
         t0 = time.perf_counter()
         so = sched.schedule()
         t1 = time.perf_counter()
@@ -47,24 +56,28 @@ def measure(model: str, backend: str, batch: int, context: int, steps: int) -> d
         t2 = time.perf_counter()
         ids = [r for r, n in so.num_scheduled_tokens.items()
                if sched.requests[r].num_computed_tokens == sched.requests[r].num_tokens]
-        for req_id in ids:  # what execute_model does after sampling
-            runner.requests[req_id].token_ids.append(7)
+        tokens = [rng.randrange(100, core.vocab_size) for _ in ids]  # "sampled"
+        for req_id, token in zip(ids, tokens):  # what execute_model does after sampling
+            runner.requests[req_id].token_ids.append(token)
         t3 = time.perf_counter()
-        sched.update_from_output(so, ModelRunnerOutput(ids, [7] * len(ids)))
-        return t1 - t0, t2 - t1, time.perf_counter() - t3
+        outputs = sched.update_from_output(so, ModelRunnerOutput(ids, tokens))
+        t4 = time.perf_counter()
+        processor.process_outputs(outputs)
+        return t1 - t0, t2 - t1, t4 - t3, time.perf_counter() - t4
 
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
         step()  # read the prompts
     assert len(sched.running) == batch, "the KV cache holds fewer sequences than the batch"
     for _ in range(5):
         step()
-    totals = [0.0, 0.0, 0.0]
+    totals = [0.0] * 4
     for _ in range(steps):
         for i, t in enumerate(step()):
             totals[i] += t
     core.abort_requests(list(sched.requests))
-    schedule, prepare, update = (t / steps * 1e6 for t in totals)
-    return dict(schedule=schedule, prepare=prepare, update=update, total=schedule + prepare + update)
+    schedule, prepare, update, text = (t / steps * 1e6 for t in totals)
+    return dict(schedule=schedule, prepare=prepare, update=update, text=text,
+                total=schedule + prepare + update + text)
 
 
 def main() -> None:
@@ -82,11 +95,11 @@ def main() -> None:
     model = args.model or random_smollm2_shaped(
         os.path.join(os.path.expanduser("~/.cache/streamserve"), "bench-smollm2-shape"))
     print(f"CPU time per decode step, {args.backend} backend, context ~{args.context}, {args.steps} steps (us)")
-    print(f"{'batch':>6} {'schedule':>9} {'prepare':>9} {'update':>9} {'total':>9} {'per request':>12}")
+    print(f"{'batch':>6} {'schedule':>9} {'prepare':>9} {'update':>9} {'text':>9} {'total':>9} {'per request':>12}")
     for batch in args.batches:
         r = measure(model, args.backend, batch, args.context, args.steps)
-        print(f"{batch:6d} {r['schedule']:9.0f} {r['prepare']:9.0f} {r['update']:9.0f} {r['total']:9.0f} "
-              f"{r['total'] / batch:12.2f}", flush=True)
+        print(f"{batch:6d} {r['schedule']:9.0f} {r['prepare']:9.0f} {r['update']:9.0f} {r['text']:9.0f} "
+              f"{r['total']:9.0f} {r['total'] / batch:12.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 from transformers import PreTrainedTokenizerBase
 
 from streamserve.engine.request import EngineCoreOutput
-from streamserve.frontend.detokenizer import IncrementalDetokenizer
+from streamserve.frontend.detokenizer import IncrementalDetokenizer, TextDecoder
 from streamserve.outputs import CompletionOutput, Logprob, RequestOutput
 from streamserve.sampling_params import SamplingParams
 
@@ -49,15 +49,20 @@ class _ParentState:
     stream: bool = False
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    num_unfinished: int = -1  # samples without a finish reason yet
+
+    def __post_init__(self) -> None:
+        self.num_unfinished = len(self.samples)
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        return self.num_unfinished == 0
 
 
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
+        self.decoder = TextDecoder(tokenizer)
         self.parents: dict[str, _ParentState] = {}
         self.child_to_sample: dict[str, tuple[_ParentState, _Sample]] = {}
 
@@ -65,7 +70,7 @@ class OutputProcessor:
                     params: SamplingParams, stream: bool = False) -> list[str]:
         """Track a request; returns the engine (child) request ids to submit. A streamed
         request also gets a delta RequestOutput each step it changes."""
-        samples = [_Sample(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+        samples = [_Sample(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self.decoder),
                            logprobs=[] if params.logprobs is not None else None,
                            cumulative_logprob=0.0 if params.logprobs is not None else None)
                    for i in range(params.n)]
@@ -121,6 +126,7 @@ class OutputProcessor:
                 sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
             if sample.finish_reason is not None:
                 del self.child_to_sample[out.request_id]
+                parent.num_unfinished -= 1
                 if parent.finished:
                     del self.parents[parent.request_id]
                     finished.append(self.make_request_output(parent))
@@ -148,9 +154,9 @@ class OutputProcessor:
 
     def _add_logprobs(self, sample: _Sample, out: EngineCoreOutput) -> None:
         for token, lp in zip(out.new_token_ids, out.new_logprobs):
-            entry = {token: Logprob(lp.sampled_logprob, lp.sampled_rank, self.tokenizer.decode([token]))}
+            entry = {token: Logprob(lp.sampled_logprob, lp.sampled_rank, self.decoder.decode([token], False))}
             for rank, (tid, val) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
-                entry.setdefault(tid, Logprob(val, rank, self.tokenizer.decode([tid])))
+                entry.setdefault(tid, Logprob(val, rank, self.decoder.decode([tid], False)))
             sample.logprobs.append(entry)
             sample.cumulative_logprob += lp.sampled_logprob
 

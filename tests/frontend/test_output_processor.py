@@ -62,3 +62,68 @@ def test_include_stop_str_in_output(tok):
     deltas, final, _, _ = stream(tok, "hello world, the quick brown fox",
                                  SamplingParams(max_tokens=100, stop=["quick"], include_stop_str_in_output=True))
     assert "".join(deltas) == final.outputs[0].text == "hello world, the quick"
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_fast_decode_gives_what_the_tokenizer_gives(tok, skip):
+    import random
+
+    from streamserve.frontend.detokenizer import TextDecoder
+
+    decode = TextDecoder(tok).decode
+    rng = random.Random(0)
+    special = tok.all_special_ids
+    assert special
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 12))] + special[:rng.randint(0, 1)]
+        rng.shuffle(ids)
+        assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+TEXTS = ["Caf\u00e9 na\u00efve \u4f60\u597d\u4e16\u754c \U0001f600\U0001f680 done", "\U0001f600\U0001f600 emoji first"]
+
+
+def test_the_decode_stream_is_used_and_streams_what_the_python_window_streams(tok, monkeypatch):
+    from streamserve.frontend.detokenizer import TextDecoder
+
+    assert TextDecoder(tok).stream([1, 2], False) is not None  # the fast path is the one tested above
+    with_stream = [stream(tok, t, SamplingParams(max_tokens=100))[0] for t in TEXTS]
+    monkeypatch.setattr(TextDecoder, "stream", lambda self, ids, skip: None)
+    without = [stream(tok, t, SamplingParams(max_tokens=100))[0] for t in TEXTS]
+    assert with_stream == without
+
+
+@pytest.mark.parametrize("use_stream", [True, False])
+def test_finishing_inside_a_character_flushes_it_as_a_replacement_character(tok, monkeypatch, use_stream):
+    from streamserve.frontend.detokenizer import TextDecoder
+
+    if not use_stream:
+        monkeypatch.setattr(TextDecoder, "stream", lambda self, ids, skip: None)
+    ids = tok.encode("ok \U0001f600")
+    # the last token that leaves the emoji's bytes incomplete
+    cut = max(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+    deltas, final, _, _ = stream(tok, "ok \U0001f600", SamplingParams(max_tokens=100), finish_at=cut - 1)
+    assert final.outputs[0].text == tok.decode(ids[:cut]) == "".join(deltas)
+    assert final.outputs[0].text.endswith("\ufffd")
+
+
+def test_a_decode_stream_that_fails_hands_over_to_the_python_window(tok, monkeypatch):
+    from streamserve.frontend.detokenizer import TextDecoder
+
+    real = TextDecoder.stream
+
+    class Failing:
+        def __init__(self, inner):
+            self.inner, self.calls = inner, 0
+
+        def step(self, backend, token):
+            self.calls += 1
+            if self.calls == 4:
+                raise RuntimeError("InvalidPrefix")
+            return self.inner.step(backend, token)
+
+    monkeypatch.setattr(TextDecoder, "stream", lambda self, ids, skip: Failing(real(self, ids, skip)))
+    for text in TEXTS:
+        deltas, final, _, ids = stream(tok, text, SamplingParams(max_tokens=100))
+        assert "".join(deltas) == tok.decode(ids) == final.outputs[0].text
+        assert not any("\ufffd" in d for d in deltas)
