@@ -1,5 +1,6 @@
 """The CPU path's C kernels (csrc/cpu_kernels.c): the small-step GEMV over half-size
-weights, and RMSNorm (with the residual add) in one call.
+weights, RMSNorm (with the residual add) in one call, and decode attention read straight
+from the paged KV cache.
 
 Built once per machine with the system C compiler into `$STREAMSERVE_CACHE/kernels`
 (a second or two), then loaded with ctypes, which releases the GIL during each call.
@@ -86,6 +87,34 @@ class CpuKernels:
         self._norm = lib.rms_norm_f32
         self._norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
         self._norm.restype = None
+        self._decode = lib.paged_decode_attention_f32
+        self._decode.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 5
+                                 + [ctypes.c_long] * 6 + [ctypes.c_float])
+        self._decode.restype = None
+
+    def paged_decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, Hq, D] or [B, Hq * D] float32 (rows may be strided, as slices of the fused QKV
+        output are), cache [2, num_blocks, block_size, Hkv, D] float32, block_tables [B, W] and
+        seq_lens [B] int64 -> [B, Hq * D]: each row's single query against its sequence's keys.
+        The tables must cover each sequence's length (the runner builds them so)."""
+        _, _, block_size, num_kv_heads, head_dim = cache.shape
+        b = q.shape[0]
+        num_heads = q.shape[1] if q.dim() == 3 else q.shape[1] // head_dim
+        heads_packed = q.stride(-1) == 1 and (q.dim() == 2 or q.stride(1) == head_dim)
+        if (q.dtype != torch.float32 or cache.dtype != torch.float32 or not heads_packed
+                or not cache.is_contiguous() or not fits_decode_attention(num_heads, num_kv_heads, head_dim)
+                or block_tables.dtype != torch.int64 or not block_tables.is_contiguous()
+                or seq_lens.dtype != torch.int64 or block_tables.shape[0] != b or seq_lens.shape[0] != b):
+            raise ValueError(f"the CPU decode attention kernel cannot read q {q.dtype} {tuple(q.shape)}, "
+                             f"cache {cache.dtype} {tuple(cache.shape)}, tables {block_tables.dtype}, "
+                             f"seq_lens {seq_lens.dtype}")
+        seq_lens = seq_lens.contiguous()
+        out = torch.empty(b, num_heads * head_dim)
+        self._decode(q.data_ptr(), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
+                     block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+                     b, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale)
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _check_rows(x)
@@ -101,6 +130,12 @@ class CpuKernels:
         self._norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.data_ptr(),
                    x.shape[0], x.shape[1], eps)
         return x, residual
+
+
+def fits_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the C decode attention's on-stack accumulators hold this head layout."""
+    group = num_heads // num_kv_heads
+    return num_heads % num_kv_heads == 0 and group <= 64 and group * head_dim <= 8192
 
 
 def _check_rows(x: torch.Tensor) -> None:

@@ -8,7 +8,8 @@ prefill chunks. Per layer:
   1. every scheduled token's K and V are written to its slot (before any read, so
      a request may read blocks another request writes in the same step);
   2. the decodes attend together: their blocks are gathered into one padded
-     [B, L] context and masked past each sequence's length;
+     [B, L] context and masked past each sequence's length (or, in float32 where the
+     C kernels load, read in place by models/csrc/cpu_kernels.c);
   3. each prefill chunk attends causally to its earlier tokens (from the cache)
      and to itself.
 """
@@ -38,14 +39,17 @@ class AttentionMetadata:
     # [num_decodes, 1, 1, max_blocks * block_size] additive; None when no row needs masking
     decode_mask: Optional[torch.Tensor]
     prefills: list[PrefillChunk]
+    # [num_decodes] int64: set when the decodes go through the C kernel (which needs no mask)
+    decode_seq_lens: Optional[torch.Tensor] = None
 
 
 class TorchPagedAttention:
     """The per-step attention callable the model calls once per layer."""
 
     def __init__(self, kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
-                 num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+                 num_heads: int, num_kv_heads: int, head_dim: int, kernels=None) -> None:
         self.kv_caches = kv_caches
+        self.kernels = kernels  # models.cpu_kernels.CpuKernels, for the decodes with decode_seq_lens
         self.meta = metadata
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
@@ -69,6 +73,8 @@ class TorchPagedAttention:
     def _decode(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         b = q.shape[0]
         tables = self.meta.decode_block_tables  # [B, nb], flattened for index_select
+        if self.meta.decode_seq_lens is not None:
+            return self.kernels.paged_decode_attention(q, cache, tables, self.meta.decode_seq_lens, self.scale)
         # [B * nb, bs, Hkv, D] -> [B, Hkv, L, D]
         shape = (b, -1, self.num_kv_heads, self.head_dim)
         k = cache[0].index_select(0, tables.view(-1)).view(shape).transpose(1, 2)

@@ -61,15 +61,20 @@ class ModelRunner:
         self.to_device = HostStaging(self.device)  # numpy array -> device tensor
         self.use_low_precision = low_precision is not None
         kernels = cpu_kernels.load() if self.device.type == "cpu" else None
-        if kernels is not None and self.dtype == torch.float32 and config.device.kernel_backend == "torch":
+        # The C RMSNorm and decode attention serve float32 steps on the torch backend.
+        self.c_kernels = (kernels if kernels is not None and self.dtype == torch.float32
+                            and config.device.kernel_backend == "torch" else None)
+        if self.c_kernels is not None:
             self.model.use_norm_kernels(kernels)
+        arch = self.model.arch
+        self.cpu_attention = self.c_kernels is not None and cpu_kernels.fits_decode_attention(
+            arch.num_heads, arch.num_kv_heads, arch.head_dim)
         if low_precision is not None:
             gemv = kernels and kernels.gemv.get(low_precision)
             logger.info("%s GEMMs are slow on this CPU: computing in float32, with %s weight copies "
                         "read by %s for steps of at most %d tokens", low_precision, low_precision,
                         "the CPU GEMV kernel" if gemv else "torch", LOW_PRECISION_MAX_TOKENS)
             self.model.keep_low_precision_copies(low_precision, gemv)
-        arch = self.model.arch
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.triton = config.device.kernel_backend == "triton"
         self.workspace = None
@@ -277,7 +282,8 @@ class ModelRunner:
         if self.triton:
             return TritonPagedAttention(kv_caches, meta, self.num_heads, self.num_kv_heads, self.head_dim,
                                         self.workspace)
-        return TorchPagedAttention(kv_caches, meta, self.num_heads, self.num_kv_heads, self.head_dim)
+        return TorchPagedAttention(kv_caches, meta, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   self.c_kernels)
 
     def _attention_metadata(self, slot_mapping: torch.Tensor, tables: np.ndarray, seq_lens: np.ndarray,
                             nd: int, max_decode_len: int, chunks: list[tuple[int, int]]):
@@ -303,7 +309,10 @@ class ModelRunner:
             start += n
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=nd,
                                  decode_block_tables=None, decode_mask=None, prefills=prefills)
-        if nd:
+        if nd and self.cpu_attention:
+            meta.decode_block_tables = self.to_device(np.ascontiguousarray(tables[:nd, :-(-max_decode_len // bs)]))
+            meta.decode_seq_lens = self.to_device(seq_lens[:nd])
+        elif nd:
             meta.decode_block_tables, meta.decode_mask = self._decode_tables(tables[:nd], seq_lens[:nd],
                                                                              max_decode_len)
         return meta

@@ -64,9 +64,62 @@ def test_rms_norm_refuses_what_it_cannot_read():
 
 
 @needs_kernel
-def test_float32_model_uses_the_c_norm(llama_dir):
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (2, 2, 20)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("lens", [[1, 15, 16, 3 * 32 + 5, 70, 0],  # 0: a row that sees no key
+                                  [1000, 0]])  # few rows: the keys split into chunks, merged after
+def test_decode_attention_matches_the_torch_path(num_heads, num_kv_heads, head_dim, block_size, lens):
+    from streamserve.worker.attention import AttentionMetadata, TorchPagedAttention
+
+    gen = torch.Generator().manual_seed(num_heads * head_dim + block_size)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 7
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    width = -(-max(lens) // block_size)
+    order = torch.randperm(num_blocks, generator=gen)  # blocks scattered over the pool
+    tables = torch.zeros(len(lens), width, dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block_size)
+        tables[i, :nb] = order[used:used + nb]
+        used += nb
+    # q as the fused QKV output's first columns: strided rows
+    qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q = qkv[:, :num_heads * head_dim].view(len(lens), num_heads, head_dim)
+    seq_lens = torch.tensor(lens)
+    out = kernels.paged_decode_attention(q, cache, tables, seq_lens, head_dim ** -0.5)
+    assert out.shape == (len(lens), num_heads * head_dim)
+    assert torch.equal(out[-1], torch.zeros(num_heads * head_dim))
+    visible = torch.arange(width * block_size)[None, :] < seq_lens[:-1, None]
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf")).view(len(lens) - 1, 1, 1, -1)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), num_decodes=len(lens) - 1,
+                             decode_block_tables=tables[:-1], decode_mask=mask, prefills=[])
+    ref = TorchPagedAttention([cache], meta, num_heads, num_kv_heads, head_dim)._decode(q[:-1], cache)
+    torch.testing.assert_close(out[:-1], ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_decode_attention_refuses_what_it_cannot_read():
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="cannot read"):
+        kernels.paged_decode_attention(torch.zeros(1, 4, 64, dtype=torch.bfloat16), cache, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="cannot read"):
+        kernels.paged_decode_attention(torch.zeros(1, 64, 4).transpose(1, 2), cache, tables, lens, 1.0)
+
+
+@needs_kernel
+def test_float32_model_uses_the_c_norm_and_decode_attention(llama_dir, monkeypatch):
+    from streamserve import SamplingParams
+
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB")
     assert llm.engine_core.model_runner.model.layers[0].input_layernorm.kernels is kernels
+    calls = []
+    real = type(kernels).paged_decode_attention
+    monkeypatch.setattr(type(kernels), "paged_decode_attention",
+                        lambda self, q, *rest: calls.append(q.shape[0]) or real(self, q, *rest))
+    llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    num_layers = len(llm.engine_core.model_runner.model.layers)
+    assert calls.count(2) == 3 * num_layers  # three decode steps of both rows, every layer
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,15 @@
  * rms_norm_f32: RMSNorm over rows of float32, optionally adding the residual first (in
  * place, like the Triton kernel): one call instead of the eight small torch ops it
  * takes in Python, each of which costs more in dispatch than the arithmetic.
+ *
+ * paged_decode_attention_f32: the decode rows' attention read straight from the paged cache,
+ * where torch first gathers every sequence's blocks into a padded copy and masks it.
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <omp.h>
+#include <stdlib.h>
 
 static inline __m256 widen_bf16(const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
@@ -115,5 +120,203 @@ void rms_norm_f32(const float *x, float *residual, const float *w, float *out, l
             _mm256_storeu_ps(orow + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + k), vinv),
                                                      _mm256_loadu_ps(w + k)));
         for (; k < H; k++) orow[k] = (src[k] * inv) * w[k];
+    }
+}
+
+/* e^x for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor polynomial to r^7
+ * (relative error about 1e-7), 2^n through the exponent bits. Inputs below -87 give 0. */
+static inline __m256 exp_ps(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
+    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
+}
+
+static inline float dot_f32(const float *a, const float *b, long n) {
+    /* four accumulators: one FMA chain would wait on each FMA's latency */
+    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
+    long i = 0;
+    for (; i + 32 <= n; i += 32) {
+        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), c0);
+        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), c1);
+        c2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), c2);
+        c3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), c3);
+    }
+    for (; i + 8 <= n; i += 8) c0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), c0);
+    float sum = hsum(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* acc[0:D] += sum_j p[j] * rows j of base (at offsets rows[j]), 32 columns at a time so that
+ * four independent accumulators stay in registers across the rows. */
+static inline void weighted_rows(float *acc, const float *p, const float *base, const long *rows, long n, long D) {
+    long d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m256 c0 = _mm256_loadu_ps(acc + d), c1 = _mm256_loadu_ps(acc + d + 8);
+        __m256 c2 = _mm256_loadu_ps(acc + d + 16), c3 = _mm256_loadu_ps(acc + d + 24);
+        for (long j = 0; j < n; j++) {
+            const float *v = base + rows[j] + d;
+            const __m256 w = _mm256_set1_ps(p[j]);
+            c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), c0);
+            c1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), c1);
+            c2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), c2);
+            c3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), c3);
+        }
+        _mm256_storeu_ps(acc + d, c0), _mm256_storeu_ps(acc + d + 8, c1);
+        _mm256_storeu_ps(acc + d + 16, c2), _mm256_storeu_ps(acc + d + 24, c3);
+    }
+    for (; d + 8 <= D; d += 8) {
+        __m256 c0 = _mm256_loadu_ps(acc + d);
+        for (long j = 0; j < n; j++) c0 = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(base + rows[j] + d), c0);
+        _mm256_storeu_ps(acc + d, c0);
+    }
+    for (; d < D; d++)
+        for (long j = 0; j < n; j++) acc[d] += p[j] * base[rows[j] + d];
+}
+
+static inline void axpy_f32(float *y, float a, const float *x, long n) {
+    const __m256 va = _mm256_set1_ps(a);
+    long i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+#define ATTN_TILE 64
+#define ATTN_MAX_G 64     /* query heads per KV head */
+#define ATTN_MAX_GD 8192  /* query heads per KV head x head_dim: the accumulators, on the stack */
+
+/* Online softmax of G query heads (q, rows D apart) over keys [start, end) of one
+ * sequence's KV head: m (running max), l (running sum), acc [G, D] (unnormalised output). */
+static void attend_keys(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
+                        long kvh, long Hkv, long D, long bs, long G, long start, long end, float scale,
+                        float *m, float *l, float *acc) {
+    float s[ATTN_MAX_G * ATTN_TILE];
+    long rows[ATTN_TILE];  /* the tile's K/V row offsets, walked block by block (no division per key) */
+    long blk = start / bs, off = start % bs;
+    for (long t0 = start; t0 < end; t0 += ATTN_TILE) {
+        const long n = end - t0 < ATTN_TILE ? end - t0 : ATTN_TILE;
+        for (long j = 0; j < n; j++) {
+            rows[j] = ((table[blk] * bs + off) * Hkv + kvh) * D;
+            if (++off == bs) off = 0, blk++;
+        }
+        for (long j = 0; j < n; j++) {  /* each K row read once for the G heads */
+            const float *k = k_cache + rows[j];
+            for (long g = 0; g < G; g++) s[g * ATTN_TILE + j] = dot_f32(q + g * D, k, D) * scale;
+        }
+        for (long g = 0; g < G; g++) {
+            float *sg = s + g * ATTN_TILE, tile_max = m[g];
+            for (long j = 0; j < n; j++) tile_max = sg[j] > tile_max ? sg[j] : tile_max;
+            const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - tile_max);
+            long j = 0;
+            float sum = 0.0f;
+            __m256 vsum = _mm256_setzero_ps();
+            const __m256 vmax = _mm256_set1_ps(tile_max);
+            for (; j + 8 <= n; j += 8) {
+                const __m256 p = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sg + j), vmax));
+                _mm256_storeu_ps(sg + j, p);
+                vsum = _mm256_add_ps(vsum, p);
+            }
+            for (; j < n; j++) sum += sg[j] = expf(sg[j] - tile_max);
+            l[g] = l[g] * alpha + sum + hsum(vsum);
+            m[g] = tile_max;
+            if (alpha != 1.0f)
+                for (long d = 0; d < D; d++) acc[g * D + d] *= alpha;
+        }
+        for (long g = 0; g < G; g++)  /* the tile's V rows stay in cache across the G heads */
+            weighted_rows(acc + g * D, s + g * ATTN_TILE, v_cache, rows, n, D);
+    }
+}
+
+/* Decode attention over a paged KV cache, one query token per sequence, float32.
+ *
+ * q: row b at q + b * q_row_stride holds its Hq heads of D; k_cache, v_cache: one layer's
+ * [num_blocks, bs, Hkv, D]; tables [B, W] int64 block IDs; seq_lens [B] int64 (the keys
+ * each sequence sees); out [B, Hq, D] contiguous. Query heads h*G .. h*G+G-1 read KV head h.
+ * A task is one sequence's KV head over a chunk of its keys, read in place from the
+ * blocks (no gathered copy of the context), each K and V row once for the whole group,
+ * with an online softmax. With few sequences the keys are split into chunks so every
+ * thread has work, and the chunks' partial results are merged by their log-sum-exp
+ * (flash-decoding). A sequence of length 0 gets zeros. Hq / Hkv <= 64, (Hq / Hkv) * D <= 8192.
+ */
+void paged_decode_attention_f32(const float *q, long q_row_stride, const float *k_cache, const float *v_cache,
+                                const int64_t *tables, const int64_t *seq_lens, float *out,
+                                long B, long Hq, long Hkv, long D, long bs, long W, float scale) {
+    const long G = Hq / Hkv, GD = G * D;
+    long max_len = 0;
+    for (long b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    const long threads = omp_get_max_threads();
+    long chunks = 1;
+    if (B * Hkv < 8 * threads) {  /* aim at 8 tasks a thread, for balance */
+        chunks = (8 * threads + B * Hkv - 1) / (B * Hkv);
+        const long by_length = (max_len + 4 * ATTN_TILE - 1) / (4 * ATTN_TILE);  /* >= 256 keys a chunk */
+        chunks = chunks < by_length ? chunks : by_length;
+        chunks = chunks > 1 ? chunks : 1;
+    }
+    /* per (sequence, KV head, chunk): G maxima, G sums, G x D accumulators */
+    float *part = chunks > 1 ? (float *)malloc(sizeof(float) * B * Hkv * chunks * (2 * G + GD)) : 0;
+#pragma omp parallel for collapse(3) schedule(dynamic, 1) if (B * Hkv * chunks > 1)
+    for (long b = 0; b < B; b++) {
+        for (long h = 0; h < Hkv; h++) {
+            for (long c = 0; c < chunks; c++) {
+                const long L = seq_lens[b], per = (L + chunks - 1) / chunks;
+                const long start = c * per < L ? c * per : L, end = start + per < L ? start + per : L;
+                float m[ATTN_MAX_G], l[ATTN_MAX_G], acc[ATTN_MAX_GD];
+                for (long g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
+                for (long i = 0; i < GD; i++) acc[i] = 0.0f;
+                attend_keys(q + b * q_row_stride + h * GD, k_cache, v_cache, tables + b * W, h, Hkv, D, bs,
+                            G, start, end, scale, m, l, acc);
+                if (chunks == 1) {
+                    float *o = out + (b * Hq + h * G) * D;
+                    for (long g = 0; g < G; g++) {
+                        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+                        for (long d = 0; d < D; d++) o[g * D + d] = acc[g * D + d] * inv;
+                    }
+                } else {
+                    float *p = part + ((b * Hkv + h) * chunks + c) * (2 * G + GD);
+                    for (long g = 0; g < G; g++) p[g] = m[g], p[G + g] = l[g];
+                    for (long i = 0; i < GD; i++) p[2 * G + i] = acc[i];
+                }
+            }
+        }
+    }
+    if (chunks > 1) {
+        for (long b = 0; b < B; b++) {
+            for (long h = 0; h < Hkv; h++) {
+                const float *p0 = part + (b * Hkv + h) * chunks * (2 * G + GD);
+                for (long g = 0; g < G; g++) {
+                    float top = -INFINITY, total = 0.0f;
+                    for (long c = 0; c < chunks; c++) {
+                        const float mc = p0[c * (2 * G + GD) + g];
+                        top = mc > top ? mc : top;
+                    }
+                    float *o = out + (b * Hq + h * G + g) * D;
+                    for (long d = 0; d < D; d++) o[d] = 0.0f;
+                    for (long c = 0; c < chunks; c++) {
+                        const float *pc = p0 + c * (2 * G + GD);
+                        if (pc[G + g] == 0.0f) continue;  /* a chunk that saw no key */
+                        const float w = expf(pc[g] - top);
+                        total += w * pc[G + g];
+                        axpy_f32(o, w, pc + 2 * G + g * D, D);
+                    }
+                    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                    for (long d = 0; d < D; d++) o[d] *= inv;
+                }
+            }
+        }
+        free(part);
     }
 }
