@@ -215,6 +215,13 @@ static void attend_keys(const float *q, const float *k_cache, const float *v_cac
         }
         for (long j = 0; j < n; j++) {  /* each K row read once for the G heads */
             const float *k = k_cache + rows[j];
+            /* the blocks are scattered: ask for the K row 4 keys ahead and this key's V row */
+            const char *k_ahead = (const char *)(k_cache + rows[j + 4 < n ? j + 4 : j]);
+            const char *v_row = (const char *)(v_cache + rows[j]);
+            for (long b = 0; b < D * 4; b += 64) {
+                _mm_prefetch(k_ahead + b, _MM_HINT_T0);
+                _mm_prefetch(v_row + b, _MM_HINT_T0);
+            }
             for (long g = 0; g < G; g++) s[g * ATTN_TILE + j] = dot_f32(q + g * D, k, D) * scale;
         }
         for (long g = 0; g < G; g++) {
