@@ -162,20 +162,25 @@ def kernel_checks(report: Report, device: torch.device, smoke: bool) -> None:
 
 def staging_check(report: Report, device: torch.device) -> None:
     """The runner's pinned staging buffer: every array arrives intact, also when the buffer
-    wraps around within a step and when an array is larger than the whole buffer."""
+    wraps around within a step and when an array is larger than the whole buffer. The GPU
+    is kept busy before each step's copies, so they wait in the stream while the next step
+    writes the buffer: without the guard on reuse, the early arrays would arrive changed."""
     import numpy as np
 
     from streamserve.worker.staging import HostStaging
 
     staging = HostStaging(device, capacity=4096)
     sizes = [(100, np.int64), (37, np.int32), (300, np.int64), (2000, np.int32), (200, np.int64)]
-    same = True
+    sent, arrived = [], []
     for step in range(4):
         staging.begin_step()
+        if device.type == "cuda":
+            torch.cuda._sleep(20_000_000)  # about 10 ms of GPU time ahead of the copies
         arrays = [np.arange(step, step + n, dtype=dt) * (i + 1) for i, (n, dt) in enumerate(sizes)]
-        outs = [staging(a) for a in arrays]
-        same &= all(o.dtype == torch.from_numpy(a).dtype and np.array_equal(o.cpu().numpy(), a)
-                    for o, a in zip(outs, arrays))
+        sent += arrays
+        arrived += [staging(a) for a in arrays]
+    same = all(o.dtype == torch.from_numpy(a).dtype and np.array_equal(o.cpu().numpy(), a)
+               for o, a in zip(arrived, sent))
     report.add("kernels", "host staging (pinned, non-blocking, wrapping)", "intact" if same else "corrupted",
                "intact", same)
 

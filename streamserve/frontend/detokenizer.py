@@ -50,8 +50,10 @@ class TextDecoder:
             self._stream_type = None
 
     def stream(self, context_ids: list[int], skip_special_tokens: bool):
-        """A DecodeStream primed with `context_ids`, or None where there is none to use."""
-        if self._stream_type is None:
+        """A DecodeStream primed with `context_ids`, or None where there is none to use. A
+        context that ends inside a character is one: DecodeStream would not take its text as
+        already emitted, and would send it along with the first output text."""
+        if self._stream_type is None or self.decode(context_ids, skip_special_tokens).endswith("\ufffd"):
             return None
         return self._stream_type(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
 
@@ -99,7 +101,9 @@ class IncrementalDetokenizer:
         return self._check_stop(start) if self.stop else None
 
     def _stream_delta(self, new_token_ids: list[int]) -> Optional[str]:
-        """The backend's DecodeStream takes the tokens; the offsets follow its window."""
+        """The backend's DecodeStream takes the tokens; the offsets follow its window. (It takes
+        them one at a time: an update of several tokens, which the engine never sends, may
+        emit text one update earlier than the Python window would.)"""
         pieces = []
         for i, token in enumerate(new_token_ids):
             try:

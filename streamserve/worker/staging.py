@@ -50,5 +50,5 @@ class HostStaging:
         view = self.host_np[start:start + n].view(array.dtype).reshape(array.shape)
         view[...] = array
         out = torch.from_numpy(view).to(self.device, non_blocking=True)
-        self.copied.record()
+        self.copied.record(torch.cuda.current_stream(self.device))  # the stream the copy went on
         return out

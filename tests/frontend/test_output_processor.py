@@ -127,3 +127,24 @@ def test_a_decode_stream_that_fails_hands_over_to_the_python_window(tok, monkeyp
         deltas, final, _, ids = stream(tok, text, SamplingParams(max_tokens=100))
         assert "".join(deltas) == tok.decode(ids) == final.outputs[0].text
         assert not any("\ufffd" in d for d in deltas)
+
+
+def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(tok, monkeypatch):
+    from streamserve.frontend.detokenizer import TextDecoder
+
+    ids = tok.encode("The answer is \u4e16\u754c ok")
+    # the prompt ends after the first token of a character split over several tokens
+    cut = min(k for k in range(1, len(ids)) if tok.decode(ids[:k]).endswith("\ufffd"))
+
+    def output_text() -> str:
+        proc = OutputProcessor(tok)
+        proc.add_request("r", None, ids[:cut], SamplingParams(max_tokens=100))
+        for i, t in enumerate(ids[cut:]):
+            last = i == len(ids) - cut - 1
+            out = proc.process_outputs([EngineCoreOutput("r", [t], None, "length" if last else None, None, 0)])
+        return out.finished[0].outputs[0].text
+
+    with_stream = output_text()
+    monkeypatch.setattr(TextDecoder, "stream", lambda self, ids, skip: None)
+    assert with_stream == output_text()
+    assert "answer" not in with_stream and with_stream.endswith(" ok")
