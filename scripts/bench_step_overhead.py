@@ -40,11 +40,8 @@ def measure(model: str, backend: str, batch: int, context: int, steps: int) -> d
     core, processor = llm.engine_core, llm.output_processor
     sched, runner = core.scheduler, core.model_runner
     params = SamplingParams(temperature=0, max_tokens=steps + 32, ignore_eos=True)
-    for i, (prompt, _) in enumerate(make_workload(batch, core.vocab_size, 0, context - 16, context, 1, 1)):
-        # as the server adds a streamed request
-        for request in llm.input_processor.process(processor.add_request(str(i), None, prompt, params, stream=True),
-                                                   prompt, params):
-            core.add_request(request)
+    for prompt, _ in make_workload(batch, core.vocab_size, 0, context - 16, context, 1, 1):
+        llm._add_request(None, prompt, params, stream=True)  # streamed, as the server's are
     rng = random.Random(0)
 
     def step() -> tuple[float, float, float, float]:

@@ -74,10 +74,11 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts: give one, or one per prompt")
         return params
 
-    def _add_request(self, text: Optional[str], ids: list[int], params: SamplingParams) -> str:
+    def _add_request(self, text: Optional[str], ids: list[int], params: SamplingParams,
+                     stream: bool = False) -> str:
         request_id = str(next(self._counter))
         self.input_processor.validate(ids, params)
-        child_ids = self.output_processor.add_request(request_id, text, ids, params)
+        child_ids = self.output_processor.add_request(request_id, text, ids, params, stream)
         for request in self.input_processor.process(child_ids, ids, params):
             self.engine_core.add_request(request)
         return request_id

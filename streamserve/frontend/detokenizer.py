@@ -41,13 +41,7 @@ class TextDecoder:
         self.decode: Callable[[list[int], bool], str] = (
             (lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)) if backend is not None
             else (lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)))
-        try:
-            from tokenizers.decoders import DecodeStream
-
-            DecodeStream(ids=[], skip_special_tokens=False)
-            self._stream_type = DecodeStream if backend is not None else None
-        except (ImportError, TypeError):  # tokenizers < 0.22: no DecodeStream(ids=...)
-            self._stream_type = None
+        self._stream_type = _decode_stream_type() if backend is not None else None
 
     def stream(self, context_ids: list[int], skip_special_tokens: bool):
         """A DecodeStream primed with `context_ids`, or None where there is none to use. A
@@ -58,10 +52,20 @@ class TextDecoder:
         return self._stream_type(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
 
 
+def _decode_stream_type():
+    """tokenizers' DecodeStream, where it takes initial ids (tokenizers >= 0.22), else None."""
+    try:
+        from tokenizers.decoders import DecodeStream
+
+        DecodeStream(ids=[], skip_special_tokens=False)
+        return DecodeStream
+    except (ImportError, TypeError):
+        return None
+
+
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 params: SamplingParams, decoder: Optional[TextDecoder] = None) -> None:
-        self.decoder = decoder or TextDecoder(tokenizer)
+    def __init__(self, decoder: TextDecoder, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.decoder = decoder
         self.skip_special_tokens = params.skip_special_tokens
         self.stop = params.stop_list
         self.include_stop = params.include_stop_str_in_output

@@ -49,7 +49,7 @@ class _ParentState:
     stream: bool = False
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
-    num_unfinished: int = -1  # samples without a finish reason yet
+    num_unfinished: int = field(init=False)  # samples without a finish reason yet
 
     def __post_init__(self) -> None:
         self.num_unfinished = len(self.samples)
@@ -70,7 +70,7 @@ class OutputProcessor:
                     params: SamplingParams, stream: bool = False) -> list[str]:
         """Track a request; returns the engine (child) request ids to submit. A streamed
         request also gets a delta RequestOutput each step it changes."""
-        samples = [_Sample(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self.decoder),
+        samples = [_Sample(i, IncrementalDetokenizer(self.decoder, prompt_token_ids, params),
                            logprobs=[] if params.logprobs is not None else None,
                            cumulative_logprob=0.0 if params.logprobs is not None else None)
                    for i in range(params.n)]

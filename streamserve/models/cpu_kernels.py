@@ -75,7 +75,8 @@ def _build(compiler: str) -> str:
 class CpuKernels:
     """gemv[dtype](x [M, K] float32, w [N, K] dtype) -> [M, N] float32, for bfloat16 and
     float16 weights; rms_norm / fused_add_rms_norm with streamserve_kernels.norm's
-    interface (float32, [T, H] contiguous), so RMSNorm takes either as its `kernels`."""
+    interface (float32, [T, H] contiguous), so RMSNorm takes either as its `kernels`;
+    paged_decode_attention for TorchPagedAttention's decode rows (float32)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.gemv: dict[torch.dtype, Gemv] = {}

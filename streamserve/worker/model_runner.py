@@ -309,12 +309,13 @@ class ModelRunner:
             start += n
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=nd,
                                  decode_block_tables=None, decode_mask=None, prefills=prefills)
-        if nd and self.cpu_attention:
-            meta.decode_block_tables = self.to_device(np.ascontiguousarray(tables[:nd, :-(-max_decode_len // bs)]))
-            meta.decode_seq_lens = self.to_device(seq_lens[:nd])
-        elif nd:
-            meta.decode_block_tables, meta.decode_mask = self._decode_tables(tables[:nd], seq_lens[:nd],
-                                                                             max_decode_len)
+        if nd:  # the decodes' tables, as wide as the longest needs
+            max_blocks = -(-max_decode_len // bs)
+            meta.decode_block_tables = self.to_device(np.ascontiguousarray(tables[:nd, :max_blocks]))
+            if self.cpu_attention:  # the C kernel stops at each length itself
+                meta.decode_seq_lens = self.to_device(seq_lens[:nd])
+            else:
+                meta.decode_mask = self._decode_mask(seq_lens[:nd], max_blocks)
         return meta
 
     # -- CUDA graphs -----------------------------------------------------------------
@@ -338,18 +339,16 @@ class ModelRunner:
         return (self.graphs is not None and meta.num_decodes == num_tokens
                 and num_tokens <= self.graphs.max_batch)
 
-    def _decode_tables(self, tables: np.ndarray, seq_lens: np.ndarray, max_len: int):
-        """The decodes' block tables (as wide as the longest needs) and, unless every row
-        fills its blocks exactly, an additive mask hiding the slots past each length."""
-        max_blocks = -(-max_len // self.block_size)
-        tables = self.to_device(np.ascontiguousarray(tables[:, :max_blocks]))
-        if (seq_lens == max_blocks * self.block_size).all():
-            return tables, None
-        visible = torch.arange(max_blocks * self.block_size, device=self.device) < self.to_device(seq_lens)[:, None]
+    def _decode_mask(self, seq_lens: np.ndarray, max_blocks: int) -> Optional[torch.Tensor]:
+        """An additive mask hiding the slots past each decode's length, unless every row fills
+        its max_blocks blocks exactly."""
+        width = max_blocks * self.block_size
+        if (seq_lens == width).all():
+            return None
+        visible = torch.arange(width, device=self.device) < self.to_device(seq_lens)[:, None]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible, float("-inf"))
-        return tables, mask.view(len(seq_lens), 1, 1, -1)
-
+        return mask.view(len(seq_lens), 1, 1, -1)
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:
