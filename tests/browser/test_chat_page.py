@@ -138,7 +138,8 @@ def test_a_reply_streams_in_token_by_token_with_its_statistics(server, open_page
     page = open_page(server, before=lambda page: page.on(
         "websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(json.loads(payload)))))
     expect(page.locator("#model-name")).to_have_text(server.model_name)
-    settings(page, system="Be brief.", temperature=0, top_p=0.9, max_tokens=40)
+    # 200 tokens: long enough to span many of the page's frames (it renders once a frame)
+    settings(page, system="Be brief.", temperature=0, top_p=0.9, max_tokens=200)
     expect(page.locator("#settings-model")).to_have_text(server.model_name)
     expect(page.locator("#max-model-len")).to_have_text("4096")
     page.evaluate(RECORD)
@@ -149,7 +150,7 @@ def test_a_reply_streams_in_token_by_token_with_its_statistics(server, open_page
     page.press("#input", "Enter")
     expect(reply(page).locator(".stats .finish")).to_have_text("length")
     stats = reply(page).locator(".stats")
-    expect(stats.locator(".tokens")).to_have_text("40 tokens")  # the usage chunk's count
+    expect(stats.locator(".tokens")).to_have_text("200 tokens")  # the usage chunk's count
     expect(stats.locator(".ttft")).to_have_text(re.compile(r"^TTFT \d+\.\d\d s$"))
     expect(stats.locator(".rate")).to_have_text(re.compile(r"^\d+\.\d tok/s$"))
     expect(page.locator("#send")).to_be_enabled()
@@ -167,7 +168,7 @@ def test_a_reply_streams_in_token_by_token_with_its_statistics(server, open_page
     request = sent[0]["body"]
     assert request == {"messages": [{"role": "system", "content": "Be brief."},
                                     {"role": "user", "content": "hello\nworld"}],
-                       "temperature": 0, "top_p": 0.9, "max_tokens": 40,
+                       "temperature": 0, "top_p": 0.9, "max_tokens": 200,
                        "stream_options": {"include_usage": True}, "ignore_eos": True}
     del request["stream_options"]  # (only for streams)
     _, _, body = http(server.url + "/v1/chat/completions", request)
