@@ -168,7 +168,8 @@ class DeviceConfig:
         "help": "auto (triton on CUDA, torch on the CPU), torch (reference ops), or triton "
                 "(streamserve_kernels; on the CPU only under TRITON_INTERPRET=1, for testing)"})
     enforce_eager: bool = field(default=False, metadata={
-        "help": "never capture CUDA graphs: every step runs eagerly"})
+        "help": "every step runs op by op: no CUDA graphs on a GPU, and on the CPU no decode "
+                "step in one C call"})
 
     def __post_init__(self) -> None:
         if self.device == "auto":

@@ -1,6 +1,7 @@
 """The CPU path's C kernels (csrc/cpu_kernels.c): the small-step GEMV over half-size
-weights, RMSNorm (with the residual add) in one call, and decode attention read straight
-from the paged KV cache.
+weights, RMSNorm (with the residual add) in one call, decode attention read straight
+from the paged KV cache, and a whole pure-decode step of the model in one call
+(`DecodeForward`).
 
 Built once per machine with the system C compiler into `$STREAMSERVE_CACHE/kernels`
 (a second or two), then loaded with ctypes, which releases the GIL during each call.
@@ -73,14 +74,16 @@ def _build(compiler: str) -> str:
 
 
 class CpuKernels:
-    """gemv[dtype](x [M, K] float32, w [N, K] dtype) -> [M, N] float32, for bfloat16 and
-    float16 weights; rms_norm / fused_add_rms_norm with streamserve_kernels.norm's
+    """gemv[dtype](x [M, K] float32, w [N, K] dtype) -> [M, N] float32, for bfloat16,
+    float16 and float32 weights; rms_norm / fused_add_rms_norm with streamserve_kernels.norm's
     interface (float32, [T, H] contiguous), so RMSNorm takes either as its `kernels`;
     paged_decode_attention for TorchPagedAttention's decode rows (float32)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
         self.gemv: dict[torch.dtype, Gemv] = {}
-        for dtype, name in ((torch.bfloat16, "gemv_bf16"), (torch.float16, "gemv_f16")):
+        for dtype, name in ((torch.bfloat16, "gemv_bf16"), (torch.float16, "gemv_f16"),
+                            (torch.float32, "gemv_f32")):
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
             fn.restype = None
@@ -168,3 +171,111 @@ def _wrap_gemv(fn) -> Gemv:
         fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k)
         return y
     return gemv
+
+
+# -- a pure-decode step in one call ------------------------------------------------------
+
+_WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+class _DecodeLayer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "q_norm", "k_norm",
+        "k_cache", "v_cache")]
+
+
+class _DecodeModel(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_long) for name in (
+        "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
+        "max_position", "weight_dtype")]
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
+           ("cos_sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_DecodeLayer))])
+
+
+class DecodeForward:
+    """A pure-decode step of a Llama-family model (models/llama.py) in one C call:
+    `decode_forward_f32` runs every layer with the same GEMV, RMSNorm and decode attention
+    kernels the Python path calls, and the small ops between them (bias, q/k norms, rotary,
+    the KV cache write, SiLU-and-mul) in C, without returning to Python in between.
+
+    Built once the KV caches exist: the C side keeps pointers to the weights (each Linear's
+    half-size copy where it has one) and to the caches, and this object keeps them alive.
+    `supports(model)` says whether a model can run this way."""
+
+    def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor]) -> None:
+        reason = self.unsupported(model, kv_caches)
+        if reason:
+            raise ValueError(f"the C decode step cannot run this model: {reason}")
+        arch, self.model = model.arch, model
+        self._fn = kernels.lib.decode_forward_f32
+        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 2
+        self._fn.restype = ctypes.c_int
+        self._keep: list[torch.Tensor] = []  # every tensor the C side points into
+
+        def ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+            if t is None:
+                return None
+            self._keep.append(t)
+            return t.data_ptr()
+
+        def weight(linear) -> int:
+            return ptr(_weight(linear))
+
+        layers = (_DecodeLayer * arch.num_layers)()
+        for entry, layer, cache in zip(layers, model.layers, kv_caches):
+            attn = layer.self_attn
+            entry.input_norm, entry.post_norm = ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight)
+            entry.qkv, entry.o = weight(attn.qkv_proj), weight(attn.o_proj)
+            entry.gate_up, entry.down = weight(layer.mlp.gate_up_proj), weight(layer.mlp.down_proj)
+            entry.qkv_bias = ptr(attn.qkv_proj.bias)
+            entry.q_norm = ptr(attn.q_norm.weight if attn.q_norm is not None else None)
+            entry.k_norm = ptr(attn.k_norm.weight if attn.k_norm is not None else None)
+            entry.k_cache, entry.v_cache = ptr(cache[0]), ptr(cache[1])
+        self._layers = layers
+        self._model = _DecodeModel(
+            num_layers=arch.num_layers, hidden=arch.hidden_size, intermediate=arch.intermediate_size,
+            num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+            block_size=kv_caches[0].shape[2], max_position=model.rotary.cos_sin_cache.shape[0],
+            weight_dtype=_WEIGHT_DTYPES[_weight(model.layers[0].self_attn.qkv_proj).dtype],
+            eps=arch.rms_norm_eps, scale=arch.head_dim ** -0.5, final_norm=ptr(model.norm.weight),
+            cos_sin=ptr(model.rotary.cos_sin_cache), layers=layers)
+        self._model_ref = ctypes.byref(self._model)
+
+    @staticmethod
+    def unsupported(model, kv_caches: list[torch.Tensor]) -> Optional[str]:
+        """Why `model` with these caches cannot take the C decode step, or None when it can."""
+        arch = model.arch
+        if not fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim) or arch.head_dim % 2:
+            return f"heads {arch.num_heads}/{arch.num_kv_heads} of {arch.head_dim}"
+        floats = [model.norm.weight, model.rotary.cos_sin_cache, model.embed_tokens.weight, *kv_caches]
+        for layer in model.layers:
+            attn = layer.self_attn
+            floats += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            floats += [t for t in (attn.qkv_proj.bias,) if t is not None]
+            floats += [norm.weight for norm in (attn.q_norm, attn.k_norm) if norm is not None]
+            weights = [_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
+                                                 layer.mlp.down_proj)]
+            if any(w.dtype != weights[0].dtype or w.dtype not in _WEIGHT_DTYPES or not w.is_contiguous()
+                   for w in weights) or any(lin.bias is not None for lin in (attn.o_proj, layer.mlp.gate_up_proj,
+                                                                            layer.mlp.down_proj)):
+                return "its linear weights are not all contiguous float32, bfloat16 or float16 without bias"
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in floats):
+            return "it does not compute in float32 on the CPU"
+        return None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the final norm, [B, hidden], for B decode tokens. positions,
+        slot_mapping, seq_lens [B] and block_tables [B, W]: contiguous int64 (the runner's)."""
+        hidden = self.model.embed_tokens(input_ids)  # a fresh [B, H] tensor: the step works in it
+        rc = self._fn(self._model_ref, hidden.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
+                      block_tables.data_ptr(), seq_lens.data_ptr(), hidden.shape[0], block_tables.shape[1])
+        if rc:
+            raise (MemoryError("the C decode step found no scratch memory") if rc == -1 else
+                   ValueError(f"a position is past the model's {self._model.max_position} (rotary table)"))
+        return hidden
+
+
+def _weight(linear) -> torch.Tensor:
+    """What the small steps read: the half-size copy where the layer keeps one."""
+    return linear.low_precision_weight if linear.low_precision_weight is not None else linear.weight

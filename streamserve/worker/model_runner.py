@@ -28,8 +28,11 @@ from streamserve.worker.staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
-# Steps of at most this many tokens read the low-precision weight copies (see choose_dtypes).
+# Steps of at most this many tokens read the low-precision weight copies (see choose_dtypes):
+# through torch's emulated bfloat16 GEMMs, or through the C GEMV kernel, which outruns the
+# float32 GEMM up to about 128 rows on an AVX2 machine (scripts/bench_gemv.py).
 LOW_PRECISION_MAX_TOKENS = 16
+GEMV_MAX_TOKENS = 64
 # The most KV splits a decode sequence gets in the Triton split-KV kernel (its workspace size).
 MAX_DECODE_SPLITS = 16
 
@@ -59,7 +62,7 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = load_model(config.model, self.device, self.dtype)
         self.to_device = HostStaging(self.device)  # numpy array -> device tensor
-        self.use_low_precision = low_precision is not None
+        self.low_precision_max_tokens = 0  # steps up to this many tokens read the half-size copies
         kernels = cpu_kernels.load() if self.device.type == "cpu" else None
         # The C RMSNorm and decode attention serve float32 steps on the torch backend.
         self.c_kernels = (kernels if kernels is not None and self.dtype == torch.float32
@@ -71,9 +74,10 @@ class ModelRunner:
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
         if low_precision is not None:
             gemv = kernels and kernels.gemv.get(low_precision)
+            self.low_precision_max_tokens = GEMV_MAX_TOKENS if gemv else LOW_PRECISION_MAX_TOKENS
             logger.info("%s GEMMs are slow on this CPU: computing in float32, with %s weight copies "
                         "read by %s for steps of at most %d tokens", low_precision, low_precision,
-                        "the CPU GEMV kernel" if gemv else "torch", LOW_PRECISION_MAX_TOKENS)
+                        "the CPU GEMV kernel" if gemv else "torch", self.low_precision_max_tokens)
             self.model.keep_low_precision_copies(low_precision, gemv)
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.triton = config.device.kernel_backend == "triton"
@@ -88,6 +92,14 @@ class ModelRunner:
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [self._zeros(shape) for _ in range(arch.num_layers)]
+        # On the CPU, pure-decode steps run in one C call (what CUDA graphs are on a GPU).
+        self.c_decode: Optional[cpu_kernels.DecodeForward] = None
+        if self.c_kernels is not None and not config.device.enforce_eager:
+            reason = cpu_kernels.DecodeForward.unsupported(self.model, self.kv_caches)
+            if reason is None:
+                self.c_decode = cpu_kernels.DecodeForward(self.c_kernels, self.model, self.kv_caches)
+            else:
+                logger.info("decode steps run op by op: the C decode step cannot run this model (%s)", reason)
         self.graphs: Optional[DecodeGraphs] = None
         if config.device.use_cuda_graphs:
             self.graphs = self.make_decode_graphs()
@@ -182,16 +194,21 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         input_ids, positions, meta, logits_indices, samplers = self._prepare_inputs(so)
-        low_precision = self.use_low_precision and len(input_ids) <= LOW_PRECISION_MAX_TOKENS
+        low_precision = len(input_ids) <= self.low_precision_max_tokens
         with torch.inference_mode():
             if self._replays(meta, len(input_ids)):
                 hidden = self.graphs.replay(input_ids, positions, meta.slot_mapping, meta.seq_lens,
                                             meta.block_tables)
+            elif self.c_decode is not None and meta.num_decodes == len(input_ids) <= GEMV_MAX_TOKENS:
+                hidden = self.c_decode(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
+                                       meta.decode_seq_lens)
             else:
                 hidden = self.model(input_ids, positions, self._attention(meta, self.kv_caches), low_precision)
             if not samplers:
                 return ModelRunnerOutput([], [])
-            logits = self.model.compute_logits(hidden[logits_indices], low_precision)
+            # the head by the rows sampled: a long prefill chunk still samples one row
+            logits = self.model.compute_logits(hidden[logits_indices],
+                                               len(logits_indices) <= self.low_precision_max_tokens)
             tokens, logprobs = self.sampler(logits, samplers)
         for state, token in zip(samplers, tokens):
             state.token_ids.append(token)

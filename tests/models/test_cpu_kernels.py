@@ -21,8 +21,8 @@ needs_kernel = pytest.mark.skipif(kernels is None, reason="the CPU kernels do no
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 4, 5, 16])
-@pytest.mark.parametrize("n,k", [(37, 577), (64, 64), (5, 7)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 64])  # tiles of 4 vectors, and what is left
+@pytest.mark.parametrize("n,k", [(37, 577), (64, 64), (5, 7), (36, 40)])  # rows in threes, and 1 or 2 left
 def test_kernel_matches_float32(dtype, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen)
@@ -109,10 +109,12 @@ def test_decode_attention_refuses_what_it_cannot_read():
 
 @needs_kernel
 def test_float32_model_uses_the_c_norm_and_decode_attention(llama_dir, monkeypatch):
+    """Op by op (enforce_eager), a float32 model's layers call the C RMSNorm and decode attention."""
     from streamserve import SamplingParams
 
-    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB")
-    assert llm.engine_core.model_runner.model.layers[0].input_layernorm.kernels is kernels
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", enforce_eager=True)
+    runner = llm.engine_core.model_runner
+    assert runner.model.layers[0].input_layernorm.kernels is kernels and runner.c_decode is None
     calls = []
     real = type(kernels).paged_decode_attention
     monkeypatch.setattr(type(kernels), "paged_decode_attention",
@@ -120,6 +122,41 @@ def test_float32_model_uses_the_c_norm_and_decode_attention(llama_dir, monkeypat
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     num_layers = len(llm.engine_core.model_runner.model.layers)
     assert calls.count(2) == 3 * num_layers  # three decode steps of both rows, every layer
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # the q/k/v bias; the per-head q/k norms
+def test_decode_steps_in_one_c_call_match_op_by_op(model_dirs, arch, monkeypatch):
+    """By default every pure-decode step runs as one C call (DecodeForward), and prefill steps
+    op by op: the tokens and logprobs equal the op-by-op run's (the transformers parity tests
+    check the default path on every architecture)."""
+    from streamserve import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompts = [[5, 6, 7], [8, 9], list(range(3, 60))]
+    eager = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="8MiB", enforce_eager=True)
+    expected = eager.generate(prompts, params, use_tqdm=False)
+    llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="8MiB")
+    sizes = []
+    real = cpu_kernels.DecodeForward.__call__
+    monkeypatch.setattr(cpu_kernels.DecodeForward, "__call__",
+                        lambda self, ids, *rest: sizes.append(len(ids)) or real(self, ids, *rest))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert sizes.count(3) == 11  # after the prompts' step, 11 decode steps of all three
+    for got, want in zip(outputs, expected):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        ours = [lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids)]
+        theirs = [lp[t].logprob for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-4
+
+
+@needs_kernel
+def test_c_decode_step_refuses_a_position_past_the_rotary_table(llama_dir):
+    runner = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB").engine_core.model_runner
+    past = runner.model.rotary.cos_sin_cache.shape[0]
+    one = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="past the model"):
+        runner.c_decode(one, torch.tensor([past]), one, torch.zeros(1, 1, dtype=torch.int64), one + 1)
 
 
 @pytest.fixture(scope="module")
@@ -142,5 +179,5 @@ def test_bfloat16_model_small_steps_match_transformers(bf16_llama_dir):
         pytest.skip("this CPU computes bfloat16 natively: no low-precision copies")
     llm = LLM(bf16_llama_dir, dtype="bfloat16", kv_cache_memory="32MiB")
     runner = llm.engine_core.model_runner
-    assert runner.use_low_precision and runner.model.lm_head.gemv is kernels.gemv[torch.bfloat16]
+    assert runner.low_precision_max_tokens > 0 and runner.model.lm_head.gemv is kernels.gemv[torch.bfloat16]
     check_parity(llm, bf16_llama_dir)

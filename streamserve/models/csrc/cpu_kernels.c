@@ -7,10 +7,13 @@
  * Reading half-size weights and widening them in registers (bfloat16: a 16-bit shift;
  * float16: F16C) halves the bytes of a float32 GEMV, and unlike oneDNN's emulated
  * bfloat16 path on CPUs without AVX512-BF16, it costs no extra passes over memory.
- * Rows of w are split across OpenMP threads (the same runtime torch uses); each row
- * is read once for all M vectors, four at a time, with float32 accumulators, while
- * the row four ahead is prefetched (about 20% more bandwidth than the hardware
- * prefetcher alone reaches on short rows).
+ * Rows of w are split across OpenMP threads (the same runtime torch uses) in threes;
+ * each three are read once for all M vectors, taken four at a time, with the 3 x 4
+ * float32 accumulators in registers, while the rows two tiles ahead are prefetched
+ * (about 20% more bandwidth than the hardware prefetcher alone reaches on short rows).
+ * From about four vectors on, the arithmetic bounds it rather than memory; on this
+ * project's AVX2 machine it still outruns torch's float32 GEMM up to ~128 vectors
+ * (scripts/bench_gemv.py), so the runner uses it for steps of up to 64 tokens.
  *
  * rms_norm_f32: RMSNorm over rows of float32, optionally adding the residual first (in
  * place, like the Triton kernel): one call instead of the eight small torch ops it
@@ -50,44 +53,80 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* One weight row against up to four vectors (mb of them, starting at row m0 of x). */
-#define ROW_TIMES_VECTORS(WIDEN, SCALAR)                                                   \
-    const char *ahead = (const char *)(wr + 4 * K);  /* a hint: never faults */            \
-    for (long m0 = 0; m0 < M; m0 += 4) {                                                    \
-        const long mb = M - m0 < 4 ? M - m0 : 4;                                            \
-        const float *xb = x + m0 * K;                                                       \
-        __m256 acc[4][2];                                                                   \
-        for (int m = 0; m < 4; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();            \
-        long k = 0;                                                                         \
-        for (; k + 16 <= K; k += 16) {                                                      \
-            if (m0 == 0) _mm_prefetch(ahead + 2 * k, _MM_HINT_T0);                          \
-            const __m256 w0 = WIDEN(wr + k), w1 = WIDEN(wr + k + 8);                        \
-            for (long m = 0; m < mb; m++) {                                                 \
-                acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + m * K + k), w0, acc[m][0]); \
-                acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + m * K + k + 8), w1, acc[m][1]); \
-            }                                                                               \
-        }                                                                                   \
-        for (long m = 0; m < mb; m++) {                                                     \
-            float sum = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));                          \
-            for (long kk = k; kk < K; kk++) sum += xb[m * K + kk] * SCALAR(wr[kk]);          \
-            y[(m0 + m) * N + n] = sum;                                                      \
-        }                                                                                   \
+/* A tile of the product: NR rows of w (wr, K apart) against MR vectors of x (xb, K apart),
+ * into y (yb, rows N apart). MR and NR are constants at every call (always inlined), so the
+ * MR x NR float32 accumulators stay in registers: each weight vector loaded is used MR times
+ * and each x vector NR times, where one row against one vector at a time would be bound by
+ * loads and by spilled accumulators. `ahead`, when set, is prefetched one line per step
+ * (the next rows, for the memory-bound single-vector case). */
+#define DEFINE_TILE(NAME, T, WIDEN, SCALAR)                                                       \
+    static inline __attribute__((always_inline)) void NAME(                                       \
+        const float *xb, const T *wr, float *yb, long K, long N, const int MR, const int NR,       \
+        const char *ahead) {                                                                      \
+        /* two accumulator sets (alternate 8-wide steps) only where few chains would otherwise  \
+         * wait on each FMA's latency; more would not fit in the 16 registers */                \
+        const int H = MR * NR < 4 ? 2 : 1;                                                        \
+        __m256 acc[4][3][2];                                                                      \
+        for (int m = 0; m < MR; m++)                                                              \
+            for (int r = 0; r < NR; r++) acc[m][r][0] = acc[m][r][1] = _mm256_setzero_ps();        \
+        long k = 0;                                                                               \
+        for (; k + 16 <= K; k += 16) {                                                            \
+            if (ahead)                                                                            \
+                for (int r = 0; r < NR; r++) _mm_prefetch(ahead + sizeof(T) * (r * K + k), _MM_HINT_T0); \
+            for (int h = 0; h < 2; h++) {                                                         \
+                __m256 w[3];                                                                      \
+                for (int r = 0; r < NR; r++) w[r] = WIDEN(wr + r * K + k + 8 * h);                \
+                for (int m = 0; m < MR; m++) {                                                    \
+                    const __m256 xv = _mm256_loadu_ps(xb + m * K + k + 8 * h);                    \
+                    for (int r = 0; r < NR; r++)                                                  \
+                        acc[m][r][h % H] = _mm256_fmadd_ps(xv, w[r], acc[m][r][h % H]);           \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int m = 0; m < MR; m++)                                                              \
+            for (int r = 0; r < NR; r++) {                                                        \
+                float sum = hsum(_mm256_add_ps(acc[m][r][0], acc[m][r][1]));                      \
+                for (long kk = k; kk < K; kk++) sum += xb[m * K + kk] * SCALAR(wr[r * K + kk]);   \
+                yb[m * N + r] = sum;                                                              \
+            }                                                                                     \
     }
 
-void gemv_bf16(const float *x, const uint16_t *w, float *y, long M, long N, long K) {
-#pragma omp parallel for schedule(static)
-    for (long n = 0; n < N; n++) {
-        const uint16_t *wr = w + n * K;
-        ROW_TIMES_VECTORS(widen_bf16, scalar_bf16)
+/* y = x @ w.T over rows [n, n + NR) of w for all M vectors: four at a time, then the rest. */
+#define DEFINE_ROWS(NAME, T, TILE)                                                                \
+    static inline __attribute__((always_inline)) void NAME(                                       \
+        const float *x, const T *wr, float *y, long M, long N, long K, long n, const int NR) {     \
+        const char *ahead = (const char *)(wr + 2 * NR * K);  /* two tiles on: a hint, never faults */ \
+        long m0 = 0;                                                                              \
+        for (; m0 + 4 <= M; m0 += 4) TILE(x + m0 * K, wr, y + m0 * N + n, K, N, 4, NR, m0 ? 0 : ahead); \
+        switch (M - m0) {                                                                         \
+        case 3: TILE(x + m0 * K, wr, y + m0 * N + n, K, N, 3, NR, m0 ? 0 : ahead); break;         \
+        case 2: TILE(x + m0 * K, wr, y + m0 * N + n, K, N, 2, NR, m0 ? 0 : ahead); break;         \
+        case 1: TILE(x + m0 * K, wr, y + m0 * N + n, K, N, 1, NR, m0 ? 0 : ahead); break;         \
+        }                                                                                         \
     }
-}
 
-void gemv_f16(const float *x, const uint16_t *w, float *y, long M, long N, long K) {
-#pragma omp parallel for schedule(static)
-    for (long n = 0; n < N; n++) {
-        const uint16_t *wr = w + n * K;
-        ROW_TIMES_VECTORS(widen_f16, scalar_f16)
+/* Rows of w in threes across the OpenMP threads (the same runtime torch uses), then the one or two left. */
+#define DEFINE_GEMV(NAME, T, WIDEN, SCALAR)                                                       \
+    DEFINE_TILE(NAME##_tile, T, WIDEN, SCALAR)                                                    \
+    DEFINE_ROWS(NAME##_rows, T, NAME##_tile)                                                      \
+    void NAME(const float *x, const T *w, float *y, long M, long N, long K) {                     \
+        _Pragma("omp parallel for schedule(static)")                                              \
+        for (long p = 0; p < N / 3; p++) NAME##_rows(x, w + 3 * p * K, y, M, N, K, 3 * p, 3);     \
+        if (N % 3 == 2) NAME##_rows(x, w + (N - 2) * K, y, M, N, K, N - 2, 2);                    \
+        if (N % 3 == 1) NAME##_rows(x, w + (N - 1) * K, y, M, N, K, N - 1, 1);                    \
     }
+
+DEFINE_GEMV(gemv_bf16, uint16_t, widen_bf16, scalar_bf16)
+DEFINE_GEMV(gemv_f16, uint16_t, widen_f16, scalar_f16)
+DEFINE_GEMV(gemv_f32, float, _mm256_loadu_ps, (float))
+
+/* The weight dtypes, as decode_forward_f32 names them. */
+enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1, WEIGHT_F16 = 2 };
+
+static void gemv_any(long dtype, const float *x, const void *w, float *y, long M, long N, long K) {
+    if (dtype == WEIGHT_BF16) gemv_bf16(x, (const uint16_t *)w, y, M, N, K);
+    else if (dtype == WEIGHT_F16) gemv_f16(x, (const uint16_t *)w, y, M, N, K);
+    else gemv_f32(x, (const float *)w, y, M, N, K);
 }
 
 /* out[t] = r[t] * rsqrt(mean(r[t]^2) + eps) * w, where r = x, or, with a residual,
@@ -326,4 +365,106 @@ void paged_decode_attention_f32(const float *q, long q_row_stride, const float *
         }
         free(part);
     }
+}
+
+/* ---- A pure-decode step of a Llama-family model in one call ----------------------------
+ *
+ * What the Python path runs for a step whose every sequence decodes one token, op for op
+ * (the same GEMV, RMSNorm and attention kernels as above), without a return to Python
+ * between them: on a 2-core machine the hundreds of small torch ops and calls a step makes
+ * in Python cost about as much as reading the weights (see cpu_decode.py). */
+
+typedef struct {
+    const float *input_norm, *post_norm;    /* [H] */
+    const void *qkv, *o, *gate_up, *down;   /* [N, K] weights, in the model's weight dtype */
+    const float *qkv_bias;                  /* [Hq * D + 2 * Hkv * D] or NULL (Qwen2 has one) */
+    const float *q_norm, *k_norm;           /* [D] or NULL (Qwen3's per-head RMSNorm) */
+    float *k_cache, *v_cache;               /* [num_blocks * bs, Hkv, D] each */
+} DecodeLayer;
+
+typedef struct {
+    long num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, max_position;
+    long weight_dtype;                      /* WEIGHT_F32, WEIGHT_BF16 or WEIGHT_F16 */
+    float eps, scale;
+    const float *final_norm;                /* [H] */
+    const float *cos_sin;                   /* [max_position, 2, D]: cos, then sin with its first half negated */
+    const DecodeLayer *layers;
+} DecodeModel;
+
+/* Neox-style rotary on n heads of D at x: x * cos + rotate_half(x) * sin, with cs = [cos, signed sin]. */
+static void rotate_heads(float *x, long n, long D, const float *cs) {
+    const long half = D / 2;
+    const float *c = cs, *s = cs + D;
+    for (long h = 0; h < n; h++) {
+        float *v = x + h * D;
+        for (long d = 0; d < half; d++) {
+            const float a = v[d], b = v[d + half];
+            v[d] = a * c[d] + b * s[d];
+            v[d + half] = b * c[d + half] + a * s[d + half];
+        }
+    }
+}
+
+/* out[t] = silu(gate_up[t, :I]) * gate_up[t, I:], for T rows. */
+static void silu_and_mul_f32(const float *gate_up, float *out, long T, long I) {
+#pragma omp parallel for schedule(static) if (T * I > 65536)
+    for (long t = 0; t < T; t++) {
+        const float *g = gate_up + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        long i = 0;
+        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 e = exp_ps(_mm256_sub_ps(zero, x));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        }
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* hidden [B, H]: the tokens' embeddings in, the final norm's output out. positions, slots [B];
+ * tables [B, W] and seq_lens [B] as paged_decode_attention_f32 reads them (seq_lens counts this
+ * token). Slot -1 writes nothing. Returns 0; -1 when scratch memory cannot be had, -2 for a
+ * position past the rotary table (nothing is computed then). */
+int decode_forward_f32(const DecodeModel *m, float *hidden, const int64_t *positions, const int64_t *slots,
+                       const int64_t *tables, const int64_t *seq_lens, long B, long W) {
+    const long H = m->hidden, I = m->intermediate, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
+    const long QKV = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
+    for (long t = 0; t < B; t++)
+        if (positions[t] < 0 || positions[t] >= m->max_position) return -2;
+    float *scratch = (float *)malloc(sizeof(float) * B * (H + H + QKV + Hq * D + 2 * I + I));
+    if (!scratch) return -1;
+    float *residual = scratch, *x = residual + B * H, *qkv = x + B * H, *attn = qkv + B * QKV;
+    float *gate_up = attn + B * Hq * D, *act = gate_up + B * 2 * I;
+    for (long i = 0; i < B * H; i++) residual[i] = hidden[i];
+    for (long l = 0; l < m->num_layers; l++) {
+        const DecodeLayer *L = m->layers + l;
+        if (l == 0) rms_norm_f32(hidden, 0, L->input_norm, x, B, H, m->eps);
+        else rms_norm_f32(hidden, residual, L->input_norm, x, B, H, m->eps);  /* residual += mlp out */
+        gemv_any(m->weight_dtype, x, L->qkv, qkv, B, QKV, H);
+        for (long t = 0; t < B; t++) {
+            float *row = qkv + t * QKV;
+            if (L->qkv_bias)
+                for (long i = 0; i < QKV; i++) row[i] += L->qkv_bias[i];
+            if (L->q_norm) {
+                rms_norm_f32(row, 0, L->q_norm, row, Hq, D, m->eps);
+                rms_norm_f32(row + Hq * D, 0, L->k_norm, row + Hq * D, Hkv, D, m->eps);
+            }
+            rotate_heads(row, Hq + Hkv, D, m->cos_sin + positions[t] * 2 * D);
+            if (slots[t] >= 0) {
+                float *k = L->k_cache + slots[t] * kv_row, *v = L->v_cache + slots[t] * kv_row;
+                for (long i = 0; i < kv_row; i++) k[i] = row[Hq * D + i], v[i] = row[Hq * D + kv_row + i];
+            }
+        }
+        paged_decode_attention_f32(qkv, QKV, L->k_cache, L->v_cache, tables, seq_lens, attn,
+                                   B, Hq, Hkv, D, m->block_size, W, m->scale);
+        gemv_any(m->weight_dtype, attn, L->o, hidden, B, H, Hq * D);
+        rms_norm_f32(hidden, residual, L->post_norm, x, B, H, m->eps);  /* residual += attention out */
+        gemv_any(m->weight_dtype, x, L->gate_up, gate_up, B, 2 * I, H);
+        silu_and_mul_f32(gate_up, act, B, I);
+        gemv_any(m->weight_dtype, act, L->down, hidden, B, H, I);
+    }
+    rms_norm_f32(hidden, residual, m->final_norm, hidden, B, H, m->eps);
+    free(scratch);
+    return 0;
 }

@@ -1,0 +1,72 @@
+"""Time the CPU GEMV kernel against torch's float32 GEMM on a model's weight shapes.
+
+    python scripts/bench_gemv.py                       # SmolLM2-135M's shapes, bfloat16 copies
+    python scripts/bench_gemv.py --rows 1,4,16,64,128 --layers 8
+
+Every linear weight of the model (30 layers of fused QKV, O, gate/up and down, and the head)
+as random tensors; for each number of rows (tokens in the step), one pass over all of them
+through the kernel (half-size weights) and through F.linear on float32 copies (what the CPU
+path runs above `GEMV_MAX_TOKENS`), best of a few, in the same process. Prints milliseconds,
+the kernel's GB/s of weights read and GFLOP/s, and the ratio: the runner's threshold should
+sit where the ratio nears 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from streamserve.models import cpu_kernels
+
+
+def best_of(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=576)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        raise SystemExit("the CPU kernels do not build here (see the log)")
+    dtype = getattr(torch, args.dtype)
+    gemv = kernels.gemv[dtype]
+    h, qkv = args.hidden, (args.heads + 2 * args.kv_heads) * args.head_dim
+    shapes = [(qkv, h), (args.heads * args.head_dim, h), (2 * args.intermediate, h), (h, args.intermediate)]
+    gen = torch.Generator().manual_seed(0)
+    half = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(args.layers) for n, k in shapes]
+    half.append(torch.randn(args.vocab, h, generator=gen).to(dtype))
+    full = [w.float() for w in half]
+    weight_bytes = sum(w.numel() * w.element_size() for w in half)
+    params = sum(w.numel() for w in half)
+    print(f"{len(half)} weights, {weight_bytes / 1e6:.0f} MB in {args.dtype}, {torch.get_num_threads()} threads")
+    print(f"{'rows':>5} {'kernel':>10} {'GB/s':>6} {'GFLOP/s':>8} {'F.linear fp32':>14} {'ratio':>6}")
+    for m in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(m, k, generator=gen) for k in {k for _, k in shapes}}
+        kernel = best_of(lambda: [gemv(xs[w.shape[1]], w) for w in half], args.repeats)
+        linear = best_of(lambda: [F.linear(xs[w.shape[1]], w) for w in full], args.repeats)
+        print(f"{m:5d} {kernel * 1e3:8.1f}ms {weight_bytes / kernel / 1e9:6.1f} "
+              f"{2 * params * m / kernel / 1e9:8.1f} {linear * 1e3:12.1f}ms {linear / kernel:6.2f}")
+
+
+if __name__ == "__main__":
+    main()
