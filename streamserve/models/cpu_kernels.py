@@ -1,7 +1,6 @@
 """The CPU path's C kernels (csrc/cpu_kernels.c): the small-step GEMV over half-size
 weights, RMSNorm (with the residual add) in one call, decode attention read straight
-from the paged KV cache, and a whole pure-decode step of the model in one call
-(`DecodeForward`).
+from the paged KV cache, and a whole small step of the model in one call (`StepForward`).
 
 Built once per machine with the system C compiler into `$STREAMSERVE_CACHE/kernels`
 (a second or two), then loaded with ctypes, which releases the GIL during each call.
@@ -173,41 +172,43 @@ def _wrap_gemv(fn) -> Gemv:
     return gemv
 
 
-# -- a pure-decode step in one call ------------------------------------------------------
+# -- a small step in one call ------------------------------------------------------------
 
 _WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-class _DecodeLayer(ctypes.Structure):
+class _StepLayer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "q_norm", "k_norm",
         "k_cache", "v_cache")]
 
 
-class _DecodeModel(ctypes.Structure):
+class _StepModel(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_long) for name in (
         "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
         "max_position", "weight_dtype")]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
-           ("cos_sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_DecodeLayer))])
+           ("cos_sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_StepLayer))])
 
 
-class DecodeForward:
-    """A pure-decode step of a Llama-family model (models/llama.py) in one C call:
-    `decode_forward_f32` runs every layer with the same GEMV, RMSNorm and decode attention
+class StepForward:
+    """A step of a few tokens through a Llama-family model (models/llama.py) in one C call:
+    `step_forward_f32` runs every layer with the same GEMV, RMSNorm and decode attention
     kernels the Python path calls, and the small ops between them (bias, q/k norms, rotary,
-    the KV cache write, SiLU-and-mul) in C, without returning to Python in between.
+    the KV cache write, SiLU-and-mul) in C, without returning to Python in between. Each
+    token, a decode or one of a prefill chunk, attends as a decode row over its sequence's
+    cache up to its own position (the whole step's keys are written first).
 
     Built once the KV caches exist: the C side keeps pointers to the weights (each Linear's
     half-size copy where it has one) and to the caches, and this object keeps them alive.
-    `supports(model)` says whether a model can run this way."""
+    `unsupported(model, kv_caches)` says why a model cannot run this way."""
 
     def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor]) -> None:
         reason = self.unsupported(model, kv_caches)
         if reason:
-            raise ValueError(f"the C decode step cannot run this model: {reason}")
+            raise ValueError(f"the C step cannot run this model: {reason}")
         arch, self.model = model.arch, model
-        self._fn = kernels.lib.decode_forward_f32
+        self._fn = kernels.lib.step_forward_f32
         self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 2
         self._fn.restype = ctypes.c_int
         self._keep: list[torch.Tensor] = []  # every tensor the C side points into
@@ -221,7 +222,7 @@ class DecodeForward:
         def weight(linear) -> int:
             return ptr(_weight(linear))
 
-        layers = (_DecodeLayer * arch.num_layers)()
+        layers = (_StepLayer * arch.num_layers)()
         for entry, layer, cache in zip(layers, model.layers, kv_caches):
             attn = layer.self_attn
             entry.input_norm, entry.post_norm = ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight)
@@ -232,7 +233,7 @@ class DecodeForward:
             entry.k_norm = ptr(attn.k_norm.weight if attn.k_norm is not None else None)
             entry.k_cache, entry.v_cache = ptr(cache[0]), ptr(cache[1])
         self._layers = layers
-        self._model = _DecodeModel(
+        self._model = _StepModel(
             num_layers=arch.num_layers, hidden=arch.hidden_size, intermediate=arch.intermediate_size,
             num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
             block_size=kv_caches[0].shape[2], max_position=model.rotary.cos_sin_cache.shape[0],
@@ -243,7 +244,7 @@ class DecodeForward:
 
     @staticmethod
     def unsupported(model, kv_caches: list[torch.Tensor]) -> Optional[str]:
-        """Why `model` with these caches cannot take the C decode step, or None when it can."""
+        """Why `model` with these caches cannot take the C step, or None when it can."""
         arch = model.arch
         if not fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim) or arch.head_dim % 2:
             return f"heads {arch.num_heads}/{arch.num_kv_heads} of {arch.head_dim}"
@@ -265,13 +266,14 @@ class DecodeForward:
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Hidden states after the final norm, [B, hidden], for B decode tokens. positions,
-        slot_mapping, seq_lens [B] and block_tables [B, W]: contiguous int64 (the runner's)."""
+        """Hidden states after the final norm, [B, hidden], for B tokens. Per token, contiguous
+        int64: positions, slot_mapping, seq_lens [B] (position + 1) and block_tables [B, W]
+        (its sequence's blocks)."""
         hidden = self.model.embed_tokens(input_ids)  # a fresh [B, H] tensor: the step works in it
         rc = self._fn(self._model_ref, hidden.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
                       block_tables.data_ptr(), seq_lens.data_ptr(), hidden.shape[0], block_tables.shape[1])
         if rc:
-            raise (MemoryError("the C decode step found no scratch memory") if rc == -1 else
+            raise (MemoryError("the C step found no scratch memory") if rc == -1 else
                    ValueError(f"a position is past the model's {self._model.max_position} (rotary table)"))
         return hidden
 

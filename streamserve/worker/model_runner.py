@@ -9,6 +9,7 @@ step: a chunk that leaves part of its prompt unread samples nothing.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -54,6 +55,16 @@ def choose_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype
 
 
 
+@dataclass
+class CStepInputs:
+    """A CPU step for StepForward: per token, its slot, its sequence's block table row
+    ([T, blocks of the longest], int64) and the keys it sees (position + 1)."""
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
 class ModelRunner:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -92,14 +103,14 @@ class ModelRunner:
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [self._zeros(shape) for _ in range(arch.num_layers)]
-        # On the CPU, pure-decode steps run in one C call (what CUDA graphs are on a GPU).
-        self.c_decode: Optional[cpu_kernels.DecodeForward] = None
+        # On the CPU, steps of a few tokens run in one C call (what CUDA graphs are on a GPU).
+        self.c_step: Optional[cpu_kernels.StepForward] = None
         if self.c_kernels is not None and not config.device.enforce_eager:
-            reason = cpu_kernels.DecodeForward.unsupported(self.model, self.kv_caches)
+            reason = cpu_kernels.StepForward.unsupported(self.model, self.kv_caches)
             if reason is None:
-                self.c_decode = cpu_kernels.DecodeForward(self.c_kernels, self.model, self.kv_caches)
+                self.c_step = cpu_kernels.StepForward(self.c_kernels, self.model, self.kv_caches)
             else:
-                logger.info("decode steps run op by op: the C decode step cannot run this model (%s)", reason)
+                logger.info("every step runs op by op: the C step cannot run this model (%s)", reason)
         self.graphs: Optional[DecodeGraphs] = None
         if config.device.use_cuda_graphs:
             self.graphs = self.make_decode_graphs()
@@ -199,9 +210,8 @@ class ModelRunner:
             if self._replays(meta, len(input_ids)):
                 hidden = self.graphs.replay(input_ids, positions, meta.slot_mapping, meta.seq_lens,
                                             meta.block_tables)
-            elif self.c_decode is not None and meta.num_decodes == len(input_ids) <= GEMV_MAX_TOKENS:
-                hidden = self.c_decode(input_ids, positions, meta.slot_mapping, meta.decode_block_tables,
-                                       meta.decode_seq_lens)
+            elif isinstance(meta, CStepInputs):
+                hidden = self.c_step(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
             else:
                 hidden = self.model(input_ids, positions, self._attention(meta, self.kv_caches), low_precision)
             if not samplers:
@@ -287,10 +297,16 @@ class ModelRunner:
             start += n
 
         max_len = max([max_decode_len] + [ctx + n for n, ctx in chunks])
-        tables = table[rows, :-(-max_len // bs)]
-        meta = self._attention_metadata(self.to_device(_cat(slots)), tables, _cat(seq_lens), nd, max_decode_len,
-                                        chunks)
-        return (self.to_device(_cat(ids)), self.to_device(_cat(positions)), meta,
+        width = -(-max_len // bs)
+        positions = _cat(positions)
+        if self.c_step is not None and start <= GEMV_MAX_TOKENS:  # every token as a decode row
+            token_rows = np.repeat(rows, [1] * nd + [n for n, _ in chunks]) if chunks else rows
+            meta = CStepInputs(self.to_device(_cat(slots)), self.to_device(table[token_rows, :width]),
+                               self.to_device(positions + 1))
+        else:
+            meta = self._attention_metadata(self.to_device(_cat(slots)), table[rows, :width], _cat(seq_lens), nd,
+                                            max_decode_len, chunks)
+        return (self.to_device(_cat(ids)), self.to_device(positions), meta,
                 self.to_device(np.array(logits_indices, dtype=np.int64)), samplers)
 
     # -- attention metadata, per backend -------------------------------------------

@@ -114,7 +114,7 @@ def test_float32_model_uses_the_c_norm_and_decode_attention(llama_dir, monkeypat
 
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", enforce_eager=True)
     runner = llm.engine_core.model_runner
-    assert runner.model.layers[0].input_layernorm.kernels is kernels and runner.c_decode is None
+    assert runner.model.layers[0].input_layernorm.kernels is kernels and runner.c_step is None
     calls = []
     real = type(kernels).paged_decode_attention
     monkeypatch.setattr(type(kernels), "paged_decode_attention",
@@ -126,23 +126,28 @@ def test_float32_model_uses_the_c_norm_and_decode_attention(llama_dir, monkeypat
 
 @needs_kernel
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # the q/k/v bias; the per-head q/k norms
-def test_decode_steps_in_one_c_call_match_op_by_op(model_dirs, arch, monkeypatch):
-    """By default every pure-decode step runs as one C call (DecodeForward), and prefill steps
-    op by op: the tokens and logprobs equal the op-by-op run's (the transformers parity tests
-    check the default path on every architecture)."""
+def test_small_steps_in_one_c_call_match_op_by_op(model_dirs, arch, monkeypatch):
+    """By default every step of at most GEMV_MAX_TOKENS tokens runs as one C call
+    (StepForward), prefill chunks too, and larger steps op by op: the tokens and logprobs
+    equal the op-by-op run's (the transformers parity tests check the default path on every
+    architecture, with chunked prefill, prefix caching and preemption)."""
     from streamserve import SamplingParams
+    from streamserve.worker.model_runner import GEMV_MAX_TOKENS
 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    prompts = [[5, 6, 7], [8, 9], list(range(3, 60))]
+    long_prompt = list(range(100, 101 + GEMV_MAX_TOKENS))  # its step is over the limit (no cached prefix)
+    prompts = [[5, 6, 7], [8, 9], list(range(3, 40)), long_prompt]
     eager = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="8MiB", enforce_eager=True)
     expected = eager.generate(prompts, params, use_tqdm=False)
     llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="8MiB")
     sizes = []
-    real = cpu_kernels.DecodeForward.__call__
-    monkeypatch.setattr(cpu_kernels.DecodeForward, "__call__",
+    real = cpu_kernels.StepForward.__call__
+    monkeypatch.setattr(cpu_kernels.StepForward, "__call__",
                         lambda self, ids, *rest: sizes.append(len(ids)) or real(self, ids, *rest))
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert sizes.count(3) == 11  # after the prompts' step, 11 decode steps of all three
+    outputs = llm.generate(prompts[:3], params, use_tqdm=False) + llm.generate(prompts[3:], params, use_tqdm=False)
+    # the three short prompts' step (42 tokens), 11 decode steps of all three; the long prompt's
+    # step ran op by op, then its 11 decode steps
+    assert sizes == [42] + [3] * 11 + [1] * 11
     for got, want in zip(outputs, expected):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         ours = [lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids)]
@@ -151,12 +156,12 @@ def test_decode_steps_in_one_c_call_match_op_by_op(model_dirs, arch, monkeypatch
 
 
 @needs_kernel
-def test_c_decode_step_refuses_a_position_past_the_rotary_table(llama_dir):
+def test_c_step_refuses_a_position_past_the_rotary_table(llama_dir):
     runner = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB").engine_core.model_runner
     past = runner.model.rotary.cos_sin_cache.shape[0]
     one = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="past the model"):
-        runner.c_decode(one, torch.tensor([past]), one, torch.zeros(1, 1, dtype=torch.int64), one + 1)
+        runner.c_step(one, torch.tensor([past]), one, torch.zeros(1, 1, dtype=torch.int64), one + 1)
 
 
 @pytest.fixture(scope="module")

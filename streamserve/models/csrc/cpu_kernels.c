@@ -21,6 +21,8 @@
  *
  * paged_decode_attention_f32: the decode rows' attention read straight from the paged cache,
  * where torch first gathers every sequence's blocks into a padded copy and masks it.
+ *
+ * step_forward_f32: a whole step of a few tokens through every layer of a Llama-family model.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -120,7 +122,7 @@ DEFINE_GEMV(gemv_bf16, uint16_t, widen_bf16, scalar_bf16)
 DEFINE_GEMV(gemv_f16, uint16_t, widen_f16, scalar_f16)
 DEFINE_GEMV(gemv_f32, float, _mm256_loadu_ps, (float))
 
-/* The weight dtypes, as decode_forward_f32 names them. */
+/* The weight dtypes, as step_forward_f32 names them. */
 enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1, WEIGHT_F16 = 2 };
 
 static void gemv_any(long dtype, const float *x, const void *w, float *y, long M, long N, long K) {
@@ -367,12 +369,14 @@ void paged_decode_attention_f32(const float *q, long q_row_stride, const float *
     }
 }
 
-/* ---- A pure-decode step of a Llama-family model in one call ----------------------------
+/* ---- A small step of a Llama-family model in one call -----------------------------------
  *
- * What the Python path runs for a step whose every sequence decodes one token, op for op
- * (the same GEMV, RMSNorm and attention kernels as above), without a return to Python
- * between them: on a 2-core machine the hundreds of small torch ops and calls a step makes
- * in Python cost about as much as reading the weights (see cpu_decode.py). */
+ * What the Python path runs for a step of a few tokens, op for op (the same GEMV, RMSNorm and
+ * attention kernels as above), without a return to Python between them: on a 2-core machine
+ * the hundreds of small torch ops and calls a step makes in Python cost about as much as
+ * reading the weights (see cpu_kernels.py: StepForward). Every token, a decode or one of a
+ * prefill chunk, attends as a decode row does: over its sequence's cache up to its own
+ * position, which holds the whole chunk's keys once they are written (causal attention). */
 
 typedef struct {
     const float *input_norm, *post_norm;    /* [H] */
@@ -380,7 +384,7 @@ typedef struct {
     const float *qkv_bias;                  /* [Hq * D + 2 * Hkv * D] or NULL (Qwen2 has one) */
     const float *q_norm, *k_norm;           /* [D] or NULL (Qwen3's per-head RMSNorm) */
     float *k_cache, *v_cache;               /* [num_blocks * bs, Hkv, D] each */
-} DecodeLayer;
+} StepLayer;
 
 typedef struct {
     long num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, max_position;
@@ -388,8 +392,8 @@ typedef struct {
     float eps, scale;
     const float *final_norm;                /* [H] */
     const float *cos_sin;                   /* [max_position, 2, D]: cos, then sin with its first half negated */
-    const DecodeLayer *layers;
-} DecodeModel;
+    const StepLayer *layers;
+} StepModel;
 
 /* Neox-style rotary on n heads of D at x: x * cos + rotate_half(x) * sin, with cs = [cos, signed sin]. */
 static void rotate_heads(float *x, long n, long D, const float *cs) {
@@ -422,12 +426,12 @@ static void silu_and_mul_f32(const float *gate_up, float *out, long T, long I) {
     }
 }
 
-/* hidden [B, H]: the tokens' embeddings in, the final norm's output out. positions, slots [B];
- * tables [B, W] and seq_lens [B] as paged_decode_attention_f32 reads them (seq_lens counts this
- * token). Slot -1 writes nothing. Returns 0; -1 when scratch memory cannot be had, -2 for a
- * position past the rotary table (nothing is computed then). */
-int decode_forward_f32(const DecodeModel *m, float *hidden, const int64_t *positions, const int64_t *slots,
-                       const int64_t *tables, const int64_t *seq_lens, long B, long W) {
+/* hidden [B, H]: the B tokens' embeddings in, the final norm's output out. positions, slots,
+ * seq_lens [B] and tables [B, W] per token: its sequence's block table and position + 1, as
+ * paged_decode_attention_f32 reads them. Slot -1 writes nothing. Returns 0; -1 when scratch
+ * memory cannot be had, -2 for a position past the rotary table (nothing is computed then). */
+int step_forward_f32(const StepModel *m, float *hidden, const int64_t *positions, const int64_t *slots,
+                      const int64_t *tables, const int64_t *seq_lens, long B, long W) {
     const long H = m->hidden, I = m->intermediate, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
     const long QKV = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
     for (long t = 0; t < B; t++)
@@ -438,7 +442,7 @@ int decode_forward_f32(const DecodeModel *m, float *hidden, const int64_t *posit
     float *gate_up = attn + B * Hq * D, *act = gate_up + B * 2 * I;
     for (long i = 0; i < B * H; i++) residual[i] = hidden[i];
     for (long l = 0; l < m->num_layers; l++) {
-        const DecodeLayer *L = m->layers + l;
+        const StepLayer *L = m->layers + l;
         if (l == 0) rms_norm_f32(hidden, 0, L->input_norm, x, B, H, m->eps);
         else rms_norm_f32(hidden, residual, L->input_norm, x, B, H, m->eps);  /* residual += mlp out */
         gemv_any(m->weight_dtype, x, L->qkv, qkv, B, QKV, H);
