@@ -164,25 +164,29 @@ def test_c_step_refuses_a_position_past_the_rotary_table(llama_dir):
         runner.c_step(one, torch.tensor([past]), one, torch.zeros(1, 1, dtype=torch.int64), one + 1)
 
 
-@pytest.fixture(scope="module")
-def bf16_llama_dir(llama_dir, tmp_path_factory):
-    """The tiny Llama with its weights rounded to bfloat16 and saved so."""
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def half_llama_dir(request, llama_dir, tmp_path_factory):
+    """The tiny Llama with its weights rounded to bfloat16 or float16 and saved so: (dir, dtype)."""
     import shutil
-    path = tmp_path_factory.mktemp("bf16") / "llama"
+    dtype = request.param
+    path = tmp_path_factory.mktemp(str(dtype).split(".")[-1]) / "llama"
     shutil.copytree(llama_dir, path)
     weights = load_file(str(path / "model.safetensors"))
-    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(path / "model.safetensors"),
+    save_file({k: v.to(dtype) for k, v in weights.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
-    return str(path)
+    return str(path), dtype
 
 
 @needs_kernel
-def test_bfloat16_model_small_steps_match_transformers(bf16_llama_dir):
-    """Prefill runs the float32 GEMMs, every decode step the kernel over the bfloat16
-    copies: transformers in float32 on the same (bfloat16-valued) weights is the oracle."""
-    if choose_dtypes(torch.bfloat16, torch.device("cpu"))[1] is None:
-        pytest.skip("this CPU computes bfloat16 natively: no low-precision copies")
-    llm = LLM(bf16_llama_dir, dtype="bfloat16", kv_cache_memory="32MiB")
+def test_half_precision_model_small_steps_match_transformers(half_llama_dir):
+    """Large steps run the float32 GEMMs, steps of a few tokens (in one C call) the kernel
+    over the half-size copies: transformers in float32 on the same (rounded) weights is the
+    oracle."""
+    path, dtype = half_llama_dir
+    if choose_dtypes(dtype, torch.device("cpu"))[1] is None:
+        pytest.skip(f"this CPU computes {dtype} natively: no low-precision copies")
+    llm = LLM(path, dtype=str(dtype).split(".")[-1], kv_cache_memory="32MiB")
     runner = llm.engine_core.model_runner
-    assert runner.low_precision_max_tokens > 0 and runner.model.lm_head.gemv is kernels.gemv[torch.bfloat16]
-    check_parity(llm, bf16_llama_dir)
+    assert runner.low_precision_max_tokens > 0 and runner.model.lm_head.gemv is kernels.gemv[dtype]
+    assert runner.c_step is not None
+    check_parity(llm, path)
