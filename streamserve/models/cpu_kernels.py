@@ -186,7 +186,7 @@ class _StepLayer(ctypes.Structure):
 class _StepModel(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_long) for name in (
         "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
-        "max_position", "weight_dtype")]
+        "max_position", "num_slots", "weight_dtype")]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
            ("cos_sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_StepLayer))])
 
@@ -203,13 +203,13 @@ class StepForward:
     half-size copy where it has one) and to the caches, and this object keeps them alive.
     `unsupported(model, kv_caches)` says why a model cannot run this way."""
 
-    def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor]) -> None:
+    def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor], max_tokens: int) -> None:
         reason = self.unsupported(model, kv_caches)
         if reason:
             raise ValueError(f"the C step cannot run this model: {reason}")
-        arch, self.model = model.arch, model
+        arch, self.model, self.max_tokens = model.arch, model, max_tokens
         self._fn = kernels.lib.step_forward_f32
-        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 2
+        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 2 + [ctypes.c_void_p]
         self._fn.restype = ctypes.c_int
         self._keep: list[torch.Tensor] = []  # every tensor the C side points into
 
@@ -237,10 +237,15 @@ class StepForward:
             num_layers=arch.num_layers, hidden=arch.hidden_size, intermediate=arch.intermediate_size,
             num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
             block_size=kv_caches[0].shape[2], max_position=model.rotary.cos_sin_cache.shape[0],
+            num_slots=kv_caches[0].shape[1] * kv_caches[0].shape[2],
             weight_dtype=_WEIGHT_DTYPES[_weight(model.layers[0].self_attn.qkv_proj).dtype],
             eps=arch.rms_norm_eps, scale=arch.head_dim ** -0.5, final_norm=ptr(model.norm.weight),
             cos_sin=ptr(model.rotary.cos_sin_cache), layers=layers)
         self._model_ref = ctypes.byref(self._model)
+        per_token = kernels.lib.step_scratch_floats
+        per_token.argtypes, per_token.restype = [ctypes.c_void_p], ctypes.c_long
+        # the step's activations, allocated once (an 8B model at 64 tokens needs ~16 MB)
+        self._scratch = torch.empty(max_tokens * per_token(self._model_ref))
 
     @staticmethod
     def unsupported(model, kv_caches: list[torch.Tensor]) -> Optional[str]:
@@ -249,32 +254,47 @@ class StepForward:
         if not fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim) or arch.head_dim % 2:
             return f"heads {arch.num_heads}/{arch.num_kv_heads} of {arch.head_dim}"
         floats = [model.norm.weight, model.rotary.cos_sin_cache, model.embed_tokens.weight, *kv_caches]
+        first = _weight(model.layers[0].self_attn.qkv_proj).dtype
         for layer in model.layers:
             attn = layer.self_attn
             floats += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             floats += [t for t in (attn.qkv_proj.bias,) if t is not None]
+            if (attn.q_norm is None) != (attn.k_norm is None):
+                return "it norms q or k alone"
             floats += [norm.weight for norm in (attn.q_norm, attn.k_norm) if norm is not None]
             weights = [_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
                                                  layer.mlp.down_proj)]
-            if any(w.dtype != weights[0].dtype or w.dtype not in _WEIGHT_DTYPES or not w.is_contiguous()
+            if any(w.dtype != first or w.dtype not in _WEIGHT_DTYPES or not w.is_contiguous()
                    for w in weights) or any(lin.bias is not None for lin in (attn.o_proj, layer.mlp.gate_up_proj,
                                                                             layer.mlp.down_proj)):
-                return "its linear weights are not all contiguous float32, bfloat16 or float16 without bias"
+                return "its linear weights are not all contiguous float32, bfloat16 or float16 of one dtype, without bias"
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in floats):
             return "it does not compute in float32 on the CPU"
         return None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Hidden states after the final norm, [B, hidden], for B tokens. Per token, contiguous
-        int64: positions, slot_mapping, seq_lens [B] (position + 1) and block_tables [B, W]
-        (its sequence's blocks)."""
+        """Hidden states after the final norm, [B, hidden], for B <= max_tokens tokens. Per
+        token, contiguous int64: positions, slot_mapping, seq_lens [B] (position + 1) and
+        block_tables [B, W] (its sequence's blocks). Inputs that would reach outside the
+        caches or the rotary table raise ValueError before anything is computed."""
+        b = input_ids.shape[0]
+        per_token = (positions, slot_mapping, seq_lens)
+        if (not 0 < b <= self.max_tokens or block_tables.dim() != 2 or block_tables.shape[0] != b
+                or any(t.shape != (b,) for t in per_token)
+                or any(t.dtype != torch.int64 or not t.is_contiguous() for t in (*per_token, block_tables))):
+            raise ValueError(f"the C step takes 1 to {self.max_tokens} tokens with contiguous int64 positions, "
+                             f"slots and lengths [B] and block tables [B, W]; got {b} tokens, "
+                             f"block tables {block_tables.dtype} {tuple(block_tables.shape)}")
         hidden = self.model.embed_tokens(input_ids)  # a fresh [B, H] tensor: the step works in it
         rc = self._fn(self._model_ref, hidden.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
-                      block_tables.data_ptr(), seq_lens.data_ptr(), hidden.shape[0], block_tables.shape[1])
+                      block_tables.data_ptr(), seq_lens.data_ptr(), b, block_tables.shape[1],
+                      self._scratch.data_ptr())
         if rc:
-            raise (MemoryError("the C step found no scratch memory") if rc == -1 else
-                   ValueError(f"a position is past the model's {self._model.max_position} (rotary table)"))
+            raise ValueError({-1: f"a position is past the model's {self._model.max_position} (rotary table)",
+                              -2: f"a slot is past the KV cache's {self._model.num_slots}",
+                              -3: "a length is past its block-table row",
+                              -4: "a block ID is past the KV cache"}[rc])
         return hidden
 
 

@@ -108,7 +108,7 @@ class ModelRunner:
         if self.c_kernels is not None and not config.device.enforce_eager:
             reason = cpu_kernels.StepForward.unsupported(self.model, self.kv_caches)
             if reason is None:
-                self.c_step = cpu_kernels.StepForward(self.c_kernels, self.model, self.kv_caches)
+                self.c_step = cpu_kernels.StepForward(self.c_kernels, self.model, self.kv_caches, GEMV_MAX_TOKENS)
             else:
                 logger.info("every step runs op by op: the C step cannot run this model (%s)", reason)
         self.graphs: Optional[DecodeGraphs] = None
@@ -207,11 +207,11 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices, samplers = self._prepare_inputs(so)
         low_precision = len(input_ids) <= self.low_precision_max_tokens
         with torch.inference_mode():
-            if self._replays(meta, len(input_ids)):
+            if isinstance(meta, CStepInputs):
+                hidden = self.c_step(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+            elif self._replays(meta, len(input_ids)):
                 hidden = self.graphs.replay(input_ids, positions, meta.slot_mapping, meta.seq_lens,
                                             meta.block_tables)
-            elif isinstance(meta, CStepInputs):
-                hidden = self.c_step(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
             else:
                 hidden = self.model(input_ids, positions, self._attention(meta, self.kv_caches), low_precision)
             if not samplers:

@@ -20,7 +20,7 @@ needs_kernel = pytest.mark.skipif(kernels is None, reason="the CPU kernels do no
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 64])  # tiles of 4 vectors, and what is left
 @pytest.mark.parametrize("n,k", [(37, 577), (64, 64), (5, 7), (36, 40)])  # rows in threes, and 1 or 2 left
 def test_kernel_matches_float32(dtype, m, n, k):
@@ -156,12 +156,22 @@ def test_small_steps_in_one_c_call_match_op_by_op(model_dirs, arch, monkeypatch)
 
 
 @needs_kernel
-def test_c_step_refuses_a_position_past_the_rotary_table(llama_dir):
+def test_c_step_refuses_what_would_reach_outside_its_tables(llama_dir):
     runner = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB").engine_core.model_runner
-    past = runner.model.rotary.cos_sin_cache.shape[0]
-    one = torch.zeros(1, dtype=torch.int64)
-    with pytest.raises(ValueError, match="past the model"):
-        runner.c_step(one, torch.tensor([past]), one, torch.zeros(1, 1, dtype=torch.int64), one + 1)
+    step, past = runner.c_step, runner.model.rotary.cos_sin_cache.shape[0]
+    one, table = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64)
+    slots = runner.num_blocks * runner.block_size
+    before = [c.clone() for c in runner.kv_caches]
+    for args, match in [((one, torch.tensor([past]), one, table, one + 1), "position is past"),
+                        ((one, one, torch.tensor([slots]), table, one + 1), "slot is past"),
+                        ((one, one, one, table, one + runner.block_size + 1), "length is past"),
+                        ((one, one, one, table + runner.num_blocks, one + 1), "block ID is past"),
+                        ((one, one, one, table.int(), one + 1), "contiguous int64"),
+                        ((one.repeat(65), one.repeat(65), one.repeat(65), table.repeat(65, 1), one.repeat(65) + 1),
+                         "1 to 64 tokens")]:
+        with pytest.raises(ValueError, match=match):
+            step(*args)
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))  # nothing written
 
 
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

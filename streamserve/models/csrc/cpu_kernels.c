@@ -388,6 +388,7 @@ typedef struct {
 
 typedef struct {
     long num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, max_position;
+    long num_slots;                         /* num_blocks * block_size: each cache's rows */
     long weight_dtype;                      /* WEIGHT_F32, WEIGHT_BF16 or WEIGHT_F16 */
     float eps, scale;
     const float *final_norm;                /* [H] */
@@ -428,16 +429,26 @@ static void silu_and_mul_f32(const float *gate_up, float *out, long T, long I) {
 
 /* hidden [B, H]: the B tokens' embeddings in, the final norm's output out. positions, slots,
  * seq_lens [B] and tables [B, W] per token: its sequence's block table and position + 1, as
- * paged_decode_attention_f32 reads them. Slot -1 writes nothing. Returns 0; -1 when scratch
- * memory cannot be had, -2 for a position past the rotary table (nothing is computed then). */
+ * paged_decode_attention_f32 reads them. Slot -1 writes nothing. scratch: B * step_scratch_floats
+ * floats. Returns 0, or before computing anything, for inputs that would read or write outside
+ * the model's tables: -1 a position past the rotary table, -2 a slot past the cache, -3 a
+ * length past the token's block-table row, -4 a block ID (of those the length reaches) past the cache. */
+long step_scratch_floats(const StepModel *m) {
+    const long D = m->head_dim;
+    return 2 * m->hidden + (m->num_heads + 2 * m->num_kv_heads) * D + m->num_heads * D + 3 * m->intermediate;
+}
+
 int step_forward_f32(const StepModel *m, float *hidden, const int64_t *positions, const int64_t *slots,
-                      const int64_t *tables, const int64_t *seq_lens, long B, long W) {
+                     const int64_t *tables, const int64_t *seq_lens, long B, long W, float *scratch) {
     const long H = m->hidden, I = m->intermediate, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
     const long QKV = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
-    for (long t = 0; t < B; t++)
-        if (positions[t] < 0 || positions[t] >= m->max_position) return -2;
-    float *scratch = (float *)malloc(sizeof(float) * B * (H + H + QKV + Hq * D + 2 * I + I));
-    if (!scratch) return -1;
+    for (long t = 0; t < B; t++) {
+        if (positions[t] < 0 || positions[t] >= m->max_position) return -1;
+        if (slots[t] < -1 || slots[t] >= m->num_slots) return -2;
+        if (seq_lens[t] < 0 || seq_lens[t] > W * m->block_size) return -3;
+        for (long j = 0; j * m->block_size < seq_lens[t]; j++)
+            if (tables[t * W + j] < 0 || (tables[t * W + j] + 1) * m->block_size > m->num_slots) return -4;
+    }
     float *residual = scratch, *x = residual + B * H, *qkv = x + B * H, *attn = qkv + B * QKV;
     float *gate_up = attn + B * Hq * D, *act = gate_up + B * 2 * I;
     for (long i = 0; i < B * H; i++) residual[i] = hidden[i];
@@ -450,7 +461,7 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *positions
             float *row = qkv + t * QKV;
             if (L->qkv_bias)
                 for (long i = 0; i < QKV; i++) row[i] += L->qkv_bias[i];
-            if (L->q_norm) {
+            if (L->q_norm && L->k_norm) {
                 rms_norm_f32(row, 0, L->q_norm, row, Hq, D, m->eps);
                 rms_norm_f32(row + Hq * D, 0, L->k_norm, row + Hq * D, Hkv, D, m->eps);
             }
@@ -469,6 +480,5 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *positions
         gemv_any(m->weight_dtype, act, L->down, hidden, B, H, I);
     }
     rms_norm_f32(hidden, residual, m->final_norm, hidden, B, H, m->eps);
-    free(scratch);
     return 0;
 }
