@@ -43,10 +43,11 @@ class RMSNorm(nn.Module):
 class Linear(nn.Module):
     """A linear layer that may also keep a low-precision copy of its weight.
 
-    On a CPU without fast bfloat16 GEMMs, a bfloat16 checkpoint runs in float32,
-    but steps of a few tokens are bound by reading the weights, not by compute:
-    for those, the half-size bfloat16 copy is faster (`ForwardContext.low_precision`),
-    read by the CPU GEMV kernel (cpu_kernels.py) where it builds, else by torch.
+    On the CPU a bfloat16 checkpoint runs in float32, but steps of a few tokens are
+    bound by reading the weights, not by compute: for those, the half-size copy is
+    faster (`ForwardContext.low_precision`), read by the CPU GEMV kernel (cpu_kernels.py)
+    for up to `gemv_max_rows` rows where it builds, else (and on CPUs with native
+    half-precision GEMMs, for the larger steps too) by torch.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -55,16 +56,18 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.low_precision_weight: Optional[torch.Tensor] = None
         self.gemv: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+        self.gemv_max_rows = 0
 
-    def keep_low_precision_copy(self, dtype: torch.dtype, gemv=None) -> None:
-        """Keep a `dtype` copy of the weight, read by `gemv(x, w)` when given."""
+    def keep_low_precision_copy(self, dtype: torch.dtype, gemv=None, gemv_max_rows: int = 0) -> None:
+        """Keep a `dtype` copy of the weight, read by `gemv(x, w)` when given, for inputs of
+        at most `gemv_max_rows` rows."""
         self.low_precision_weight = self.weight.detach().to(dtype).contiguous()
-        self.gemv = gemv
+        self.gemv, self.gemv_max_rows = gemv, gemv_max_rows
 
     def forward(self, x: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
         w = self.low_precision_weight
         if low_precision and w is not None:
-            if self.gemv is not None and x.dtype == torch.float32:
+            if self.gemv is not None and x.dtype == torch.float32 and x.shape[0] <= self.gemv_max_rows:
                 out = self.gemv(x, w)
             else:
                 out = F.linear(x.to(w.dtype), w).to(x.dtype)

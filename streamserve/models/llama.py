@@ -172,12 +172,12 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
 
-    def keep_low_precision_copies(self, dtype: torch.dtype, gemv=None) -> None:
-        """Keep `dtype` copies of every linear weight for steps of a few tokens,
-        read by `gemv(x, w)` when given (the CPU kernel), else by torch."""
+    def keep_low_precision_copies(self, dtype: torch.dtype, gemv=None, gemv_max_rows: int = 0) -> None:
+        """Keep `dtype` copies of every linear weight for steps of a few tokens, read by
+        `gemv(x, w)` when given (the CPU kernel) for up to `gemv_max_rows` rows, else by torch."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.keep_low_precision_copy(dtype, gemv)
+                module.keep_low_precision_copy(dtype, gemv, gemv_max_rows)
 
     # -- weights ---------------------------------------------------------------
 

@@ -38,21 +38,32 @@ GEMV_MAX_TOKENS = 64
 MAX_DECODE_SPLITS = 16
 
 
-def choose_dtypes(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, Optional[torch.dtype]]:
-    """(compute dtype, low-precision weight dtype or None).
+def native_half_gemms(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs bfloat16 / float16 GEMMs natively (AVX512-BF16 or AMX,
+    AVX512-FP16: oneDNN says so), rather than emulating them."""
+    return (torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16
+            else torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
-    A CPU without native bfloat16/float16 GEMMs (no AVX512-BF16 or AMX; oneDNN says
-    so) emulates them several times slower than float32 once a step has more than a
-    few tokens. There the model computes in float32 (the checkpoint's values are
-    exact in float32), and keeps half-size copies of its weights for the small
-    steps, which are bound by memory bandwidth rather than arithmetic.
+
+def choose_dtypes(dtype: torch.dtype, device: torch.device,
+                  c_kernels: bool) -> tuple[torch.dtype, Optional[torch.dtype], bool]:
+    """(compute dtype, half-size weight dtype or None, whether steps too large for the C GEMV
+    read the half-size copies through torch's native half GEMMs).
+
+    A bfloat16 / float16 checkpoint on the CPU computes in float32 (its values are exact in
+    float32), with half-size copies of its weights for the small steps, which are bound by
+    reading the weights: the C kernels (`c_kernels`: they load, on the torch backend) read
+    them in one call per step. Larger steps run torch's GEMMs: in float32 where the CPU
+    only emulates half precision (several times slower there), on the half-size copies where
+    it has native GEMMs (AMX). Without the C kernels such a CPU computes in the checkpoint's
+    dtype throughout.
     """
     if device.type != "cpu" or dtype == torch.float32:
-        return dtype, None
-    fast = (torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16
-            else torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    return (dtype, None) if fast else (torch.float32, dtype)
-
+        return dtype, None, False
+    native = native_half_gemms(dtype)
+    if native and not c_kernels:
+        return dtype, None, False
+    return torch.float32, dtype, native
 
 
 @dataclass
@@ -69,15 +80,16 @@ class ModelRunner:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.device = config.device.torch_device
-        self.dtype, low_precision = choose_dtypes(config.model.torch_dtype, self.device)
+        kernels = cpu_kernels.load() if self.device.type == "cpu" else None
+        # The C kernels (norms, attention, the one-call step) serve float32 steps on the torch backend.
+        c_ok = kernels is not None and config.device.kernel_backend == "torch"
+        self.dtype, low_precision, native_half = choose_dtypes(config.model.torch_dtype, self.device, c_ok)
         self.block_size = config.cache.block_size
         self.model = load_model(config.model, self.device, self.dtype)
         self.to_device = HostStaging(self.device)  # numpy array -> device tensor
         self.low_precision_max_tokens = 0  # steps up to this many tokens read the half-size copies
-        kernels = cpu_kernels.load() if self.device.type == "cpu" else None
-        # The C RMSNorm and decode attention serve float32 steps on the torch backend.
-        self.c_kernels = (kernels if kernels is not None and self.dtype == torch.float32
-                            and config.device.kernel_backend == "torch" else None)
+        self.half_gemms = False  # larger steps too (through torch's native half-precision GEMMs)
+        self.c_kernels = kernels if c_ok and self.dtype == torch.float32 else None
         if self.c_kernels is not None:
             self.model.use_norm_kernels(kernels)
         arch = self.model.arch
@@ -86,10 +98,12 @@ class ModelRunner:
         if low_precision is not None:
             gemv = kernels and kernels.gemv.get(low_precision)
             self.low_precision_max_tokens = GEMV_MAX_TOKENS if gemv else LOW_PRECISION_MAX_TOKENS
-            logger.info("%s GEMMs are slow on this CPU: computing in float32, with %s weight copies "
-                        "read by %s for steps of at most %d tokens", low_precision, low_precision,
-                        "the CPU GEMV kernel" if gemv else "torch", self.low_precision_max_tokens)
-            self.model.keep_low_precision_copies(low_precision, gemv)
+            self.half_gemms = native_half
+            logger.info("computing in float32, with %s weight copies read by %s for steps of at most %d tokens "
+                        "and by %s above", low_precision, "the CPU GEMV kernel" if gemv else "torch",
+                        self.low_precision_max_tokens, f"torch's native {low_precision} GEMMs" if native_half
+                        else f"nothing (this CPU emulates {low_precision} GEMMs: float32 GEMMs serve)")
+            self.model.keep_low_precision_copies(low_precision, gemv, GEMV_MAX_TOKENS)
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.triton = config.device.kernel_backend == "triton"
         self.workspace = None
@@ -205,7 +219,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         input_ids, positions, meta, logits_indices, samplers = self._prepare_inputs(so)
-        low_precision = len(input_ids) <= self.low_precision_max_tokens
+        low_precision = self.half_gemms or len(input_ids) <= self.low_precision_max_tokens
         with torch.inference_mode():
             if isinstance(meta, CStepInputs):
                 hidden = self.c_step(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
@@ -217,8 +231,8 @@ class ModelRunner:
             if not samplers:
                 return ModelRunnerOutput([], [])
             # the head by the rows sampled: a long prefill chunk still samples one row
-            logits = self.model.compute_logits(hidden[logits_indices],
-                                               len(logits_indices) <= self.low_precision_max_tokens)
+            logits = self.model.compute_logits(hidden[logits_indices], self.half_gemms
+                                               or len(logits_indices) <= self.low_precision_max_tokens)
             tokens, logprobs = self.sampler(logits, samplers)
         for state, token in zip(samplers, tokens):
             state.token_ids.append(token)

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from parity import check_parity
-from streamserve import LLM
+from streamserve import LLM, SamplingParams
 from streamserve.models import cpu_kernels
 from streamserve.models.layers import RMSNorm
-from streamserve.worker.model_runner import choose_dtypes
+from streamserve.worker import model_runner
 
 kernels = cpu_kernels.load()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="the CPU kernels do not build here "
@@ -188,15 +188,42 @@ def half_llama_dir(request, llama_dir, tmp_path_factory):
 
 
 @needs_kernel
-def test_half_precision_model_small_steps_match_transformers(half_llama_dir):
-    """Large steps run the float32 GEMMs, steps of a few tokens (in one C call) the kernel
-    over the half-size copies: transformers in float32 on the same (rounded) weights is the
-    oracle."""
+def test_half_precision_model_small_steps_match_transformers(half_llama_dir, monkeypatch):
+    """On a CPU that emulates half-precision GEMMs, large steps run the float32 GEMMs and
+    steps of a few tokens (in one C call) the kernel over the half-size copies: transformers
+    in float32 on the same (rounded) weights is the oracle."""
     path, dtype = half_llama_dir
-    if choose_dtypes(dtype, torch.device("cpu"))[1] is None:
-        pytest.skip(f"this CPU computes {dtype} natively: no low-precision copies")
+    monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: False)
     llm = LLM(path, dtype=str(dtype).split(".")[-1], kv_cache_memory="32MiB")
     runner = llm.engine_core.model_runner
-    assert runner.low_precision_max_tokens > 0 and runner.model.lm_head.gemv is kernels.gemv[dtype]
-    assert runner.c_step is not None
+    assert runner.dtype == torch.float32 and not runner.half_gemms and runner.c_step is not None
+    assert runner.model.lm_head.gemv is kernels.gemv[dtype]
     check_parity(llm, path)
+
+
+@needs_kernel
+def test_native_half_gemms_serve_the_large_steps(half_llama_dir, monkeypatch):
+    """Where the CPU has native half-precision GEMMs (AMX), steps too large for the C GEMV
+    read the half-size copies through torch (never the float32 weights), small steps still
+    run in one C call; the op-by-op run (enforce_eager) gives the same tokens."""
+    import torch.nn.functional as F
+
+    path, dtype = half_llama_dir
+    name = str(dtype).split(".")[-1]
+    monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [list(range(100, 200)), [5, 6, 7]]  # one step of 103 tokens, then decode steps
+    expected = LLM(path, dtype=name, kv_cache_memory="32MiB", enforce_eager=True).generate(
+        prompts, params, use_tqdm=False)
+    llm = LLM(path, dtype=name, kv_cache_memory="32MiB")
+    runner = llm.engine_core.model_runner
+    assert runner.dtype == torch.float32 and runner.half_gemms and runner.c_step is not None
+    weights, real = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, *rest: weights.append((x.shape[0], w.dtype)) or real(x, w, *rest))
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert (103, dtype) in weights and all(w == dtype for _, w in weights)
+    for got, want in zip(outputs, expected):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        ours = [lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids)]
+        theirs = [lp[t].logprob for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-4
