@@ -168,7 +168,7 @@ class DeviceConfig:
         "help": "auto (triton on CUDA, torch on the CPU), torch (reference ops), or triton "
                 "(streamserve_kernels; on the CPU only under TRITON_INTERPRET=1, for testing)"})
     enforce_eager: bool = field(default=False, metadata={
-        "help": "every step runs op by op: no CUDA graphs on a GPU, and on the CPU no decode "
+        "help": "every step runs op by op: no CUDA graphs on a GPU, and on the CPU no small "
                 "step in one C call"})
 
     def __post_init__(self) -> None:

@@ -99,10 +99,11 @@ class ModelRunner:
             gemv = kernels and kernels.gemv.get(low_precision)
             self.low_precision_max_tokens = GEMV_MAX_TOKENS if gemv else LOW_PRECISION_MAX_TOKENS
             self.half_gemms = native_half
+            half = str(low_precision).removeprefix("torch.")
             logger.info("computing in float32, with %s weight copies read by %s for steps of at most %d tokens "
-                        "and by %s above", low_precision, "the CPU GEMV kernel" if gemv else "torch",
-                        self.low_precision_max_tokens, f"torch's native {low_precision} GEMMs" if native_half
-                        else f"nothing (this CPU emulates {low_precision} GEMMs: float32 GEMMs serve)")
+                        "and by %s above", half, "the CPU GEMV kernel" if gemv else "torch",
+                        self.low_precision_max_tokens, f"torch's native {half} GEMMs" if native_half
+                        else f"nothing (this CPU emulates {half} GEMMs: float32 GEMMs serve)")
             self.model.keep_low_precision_copies(low_precision, gemv, GEMV_MAX_TOKENS)
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.triton = config.device.kernel_backend == "triton"

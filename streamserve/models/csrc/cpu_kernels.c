@@ -316,6 +316,7 @@ void paged_decode_attention_f32(const float *q, long q_row_stride, const float *
     }
     /* per (sequence, KV head, chunk): G maxima, G sums, G x D accumulators */
     float *part = chunks > 1 ? (float *)malloc(sizeof(float) * B * Hkv * chunks * (2 * G + GD)) : 0;
+    if (!part) chunks = 1;  /* no room for the partial results: each task takes a whole sequence */
 #pragma omp parallel for collapse(3) schedule(dynamic, 1) if (B * Hkv * chunks > 1)
     for (long b = 0; b < B; b++) {
         for (long h = 0; h < Hkv; h++) {
