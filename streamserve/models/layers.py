@@ -58,11 +58,15 @@ class Linear(nn.Module):
         self.gemv: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
         self.gemv_max_rows = 0
 
-    def keep_low_precision_copy(self, dtype: torch.dtype, gemv=None, gemv_max_rows: int = 0) -> None:
+    def keep_low_precision_copy(self, dtype: torch.dtype, gemv=None, gemv_max_rows: int = 0,
+                                drop_full: bool = False) -> None:
         """Keep a `dtype` copy of the weight, read by `gemv(x, w)` when given, for inputs of
-        at most `gemv_max_rows` rows."""
+        at most `gemv_max_rows` rows; with `drop_full`, only the copy (every call must then
+        pass low_precision)."""
         self.low_precision_weight = self.weight.detach().to(dtype).contiguous()
         self.gemv, self.gemv_max_rows = gemv, gemv_max_rows
+        if drop_full:
+            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
         w = self.low_precision_weight
@@ -72,6 +76,8 @@ class Linear(nn.Module):
             else:
                 out = F.linear(x.to(w.dtype), w).to(x.dtype)
             return out if self.bias is None else out + self.bias
+        if w is not None and self.weight.numel() == 0:
+            raise RuntimeError("this layer keeps only its low-precision weight: call it with low_precision")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -104,7 +104,8 @@ class ModelRunner:
                         "and by %s above", half, "the CPU GEMV kernel" if gemv else "torch",
                         self.low_precision_max_tokens, f"torch's native {half} GEMMs" if native_half
                         else f"nothing (this CPU emulates {half} GEMMs: float32 GEMMs serve)")
-            self.model.keep_low_precision_copies(low_precision, gemv, GEMV_MAX_TOKENS)
+            # with native half GEMMs every step reads the copies: the float32 weights go
+            self.model.keep_low_precision_copies(low_precision, gemv, GEMV_MAX_TOKENS, drop_full=native_half)
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.triton = config.device.kernel_backend == "triton"
         self.workspace = None

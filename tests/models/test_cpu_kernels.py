@@ -204,8 +204,8 @@ def test_half_precision_model_small_steps_match_transformers(half_llama_dir, mon
 @needs_kernel
 def test_native_half_gemms_serve_the_large_steps(half_llama_dir, monkeypatch):
     """Where the CPU has native half-precision GEMMs (AMX), steps too large for the C GEMV
-    read the half-size copies through torch (never the float32 weights), small steps still
-    run in one C call; the op-by-op run (enforce_eager) gives the same tokens."""
+    read the half-size copies through torch (the float32 weights are freed), small steps
+    still run in one C call; the op-by-op run (enforce_eager) gives the same tokens."""
     import torch.nn.functional as F
 
     path, dtype = half_llama_dir
@@ -218,6 +218,8 @@ def test_native_half_gemms_serve_the_large_steps(half_llama_dir, monkeypatch):
     llm = LLM(path, dtype=name, kv_cache_memory="32MiB")
     runner = llm.engine_core.model_runner
     assert runner.dtype == torch.float32 and runner.half_gemms and runner.c_step is not None
+    down = runner.model.layers[0].mlp.down_proj
+    assert down.weight.numel() == 0 and down.low_precision_weight.dtype == dtype  # float32 copy freed
     weights, real = [], F.linear
     monkeypatch.setattr(F, "linear", lambda x, w, *rest: weights.append((x.shape[0], w.dtype)) or real(x, w, *rest))
     outputs = llm.generate(prompts, params, use_tqdm=False)
