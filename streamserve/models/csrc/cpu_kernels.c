@@ -238,7 +238,9 @@ static inline void axpy_f32(float *y, float a, const float *x, long n) {
 
 #define ATTN_TILE 64
 #define ATTN_MAX_G 64     /* query heads per KV head */
-#define ATTN_MAX_GD 8192  /* query heads per KV head x head_dim: the accumulators, on the stack */
+#define ATTN_MAX_Q 256    /* query heads */
+#define ATTN_MAX_QD 16384 /* query heads x head_dim: a task's accumulators, on the stack */
+#define ATTN_SPAN 128     /* keys a task reads for every KV head before it moves on */
 
 /* Online softmax of G query heads (q, rows D apart) over keys [start, end) of one
  * sequence's KV head: m (running max), l (running sum), acc [G, D] (unnormalised output). */
@@ -294,76 +296,81 @@ static void attend_keys(const float *q, const float *k_cache, const float *v_cac
  * q: row b at q + b * q_row_stride holds its Hq heads of D; k_cache, v_cache: one layer's
  * [num_blocks, bs, Hkv, D]; tables [B, W] int64 block IDs; seq_lens [B] int64 (the keys
  * each sequence sees); out [B, Hq, D] contiguous. Query heads h*G .. h*G+G-1 read KV head h.
- * A task is one sequence's KV head over a chunk of its keys, read in place from the
- * blocks (no gathered copy of the context), each K and V row once for the whole group,
- * with an online softmax. With few sequences the keys are split into chunks so every
- * thread has work, and the chunks' partial results are merged by their log-sum-exp
- * (flash-decoding). A sequence of length 0 gets zeros. Hq / Hkv <= 64, (Hq / Hkv) * D <= 8192.
+ * A task is one sequence over a chunk of its keys, read in place from the blocks (no
+ * gathered copy of the context) with an online softmax, each K and V row once for its
+ * group of query heads. The task walks its keys in spans of ATTN_SPAN and takes every KV
+ * head over a span before the next: a token's heads lie side by side in its cache row, so
+ * the rows are read whole and in order (one task per KV head read a third of every row,
+ * and the hardware fetched the rest for nothing). With few sequences the keys are split
+ * into chunks so every thread has work, and the chunks' partial results are merged by
+ * their log-sum-exp (flash-decoding). A sequence of length 0 gets zeros.
+ * Hq / Hkv <= ATTN_MAX_G, Hq <= ATTN_MAX_Q, Hq * D <= ATTN_MAX_QD.
  */
 void paged_decode_attention_f32(const float *q, long q_row_stride, const float *k_cache, const float *v_cache,
                                 const int64_t *tables, const int64_t *seq_lens, float *out,
                                 long B, long Hq, long Hkv, long D, long bs, long W, float scale) {
-    const long G = Hq / Hkv, GD = G * D;
+    const long G = Hq / Hkv, GD = G * D, QD = Hq * D;
     long max_len = 0;
     for (long b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     const long threads = omp_get_max_threads();
     long chunks = 1;
-    if (B * Hkv < 8 * threads) {  /* aim at 8 tasks a thread, for balance */
-        chunks = (8 * threads + B * Hkv - 1) / (B * Hkv);
+    if (B < 8 * threads) {  /* aim at 8 tasks a thread, for balance */
+        chunks = (8 * threads + B - 1) / B;
         const long by_length = (max_len + 4 * ATTN_TILE - 1) / (4 * ATTN_TILE);  /* >= 256 keys a chunk */
         chunks = chunks < by_length ? chunks : by_length;
         chunks = chunks > 1 ? chunks : 1;
     }
-    /* per (sequence, KV head, chunk): G maxima, G sums, G x D accumulators */
-    float *part = chunks > 1 ? (float *)malloc(sizeof(float) * B * Hkv * chunks * (2 * G + GD)) : 0;
+    /* per (sequence, chunk): Hq maxima, Hq sums, Hq x D accumulators */
+    const long part_size = 2 * Hq + QD;
+    float *part = chunks > 1 ? (float *)malloc(sizeof(float) * B * chunks * part_size) : 0;
     if (!part) chunks = 1;  /* no room for the partial results: each task takes a whole sequence */
-#pragma omp parallel for collapse(3) schedule(dynamic, 1) if (B * Hkv * chunks > 1)
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (B * chunks > 1)
     for (long b = 0; b < B; b++) {
-        for (long h = 0; h < Hkv; h++) {
-            for (long c = 0; c < chunks; c++) {
-                const long L = seq_lens[b], per = (L + chunks - 1) / chunks;
-                const long start = c * per < L ? c * per : L, end = start + per < L ? start + per : L;
-                float m[ATTN_MAX_G], l[ATTN_MAX_G], acc[ATTN_MAX_GD];
-                for (long g = 0; g < G; g++) m[g] = -INFINITY, l[g] = 0.0f;
-                for (long i = 0; i < GD; i++) acc[i] = 0.0f;
-                attend_keys(q + b * q_row_stride + h * GD, k_cache, v_cache, tables + b * W, h, Hkv, D, bs,
-                            G, start, end, scale, m, l, acc);
-                if (chunks == 1) {
-                    float *o = out + (b * Hq + h * G) * D;
-                    for (long g = 0; g < G; g++) {
-                        const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-                        for (long d = 0; d < D; d++) o[g * D + d] = acc[g * D + d] * inv;
-                    }
-                } else {
-                    float *p = part + ((b * Hkv + h) * chunks + c) * (2 * G + GD);
-                    for (long g = 0; g < G; g++) p[g] = m[g], p[G + g] = l[g];
-                    for (long i = 0; i < GD; i++) p[2 * G + i] = acc[i];
+        for (long c = 0; c < chunks; c++) {
+            const long L = seq_lens[b], per = (L + chunks - 1) / chunks;
+            const long start = c * per < L ? c * per : L, end = start + per < L ? start + per : L;
+            float mp[ATTN_MAX_Q], lp[ATTN_MAX_Q], acc[ATTN_MAX_QD];
+            for (long h = 0; h < Hq; h++) mp[h] = -INFINITY, lp[h] = 0.0f;
+            for (long i = 0; i < QD; i++) acc[i] = 0.0f;
+            for (long s0 = start; s0 < end; s0 += ATTN_SPAN) {
+                const long s1 = s0 + ATTN_SPAN < end ? s0 + ATTN_SPAN : end;
+                for (long h = 0; h < Hkv; h++)
+                    attend_keys(q + b * q_row_stride + h * GD, k_cache, v_cache, tables + b * W, h, Hkv, D, bs,
+                                G, s0, s1, scale, mp + h * G, lp + h * G, acc + h * GD);
+            }
+            if (chunks == 1) {
+                float *o = out + b * QD;
+                for (long h = 0; h < Hq; h++) {
+                    const float inv = lp[h] > 0.0f ? 1.0f / lp[h] : 0.0f;
+                    for (long d = 0; d < D; d++) o[h * D + d] = acc[h * D + d] * inv;
                 }
+            } else {
+                float *p = part + (b * chunks + c) * part_size;
+                for (long h = 0; h < Hq; h++) p[h] = mp[h], p[Hq + h] = lp[h];
+                for (long i = 0; i < QD; i++) p[2 * Hq + i] = acc[i];
             }
         }
     }
     if (chunks > 1) {
         for (long b = 0; b < B; b++) {
-            for (long h = 0; h < Hkv; h++) {
-                const float *p0 = part + (b * Hkv + h) * chunks * (2 * G + GD);
-                for (long g = 0; g < G; g++) {
-                    float top = -INFINITY, total = 0.0f;
-                    for (long c = 0; c < chunks; c++) {
-                        const float mc = p0[c * (2 * G + GD) + g];
-                        top = mc > top ? mc : top;
-                    }
-                    float *o = out + (b * Hq + h * G + g) * D;
-                    for (long d = 0; d < D; d++) o[d] = 0.0f;
-                    for (long c = 0; c < chunks; c++) {
-                        const float *pc = p0 + c * (2 * G + GD);
-                        if (pc[G + g] == 0.0f) continue;  /* a chunk that saw no key */
-                        const float w = expf(pc[g] - top);
-                        total += w * pc[G + g];
-                        axpy_f32(o, w, pc + 2 * G + g * D, D);
-                    }
-                    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                    for (long d = 0; d < D; d++) o[d] *= inv;
+            const float *p0 = part + b * chunks * part_size;
+            for (long h = 0; h < Hq; h++) {
+                float top = -INFINITY, total = 0.0f;
+                for (long c = 0; c < chunks; c++) {
+                    const float mc = p0[c * part_size + h];
+                    top = mc > top ? mc : top;
                 }
+                float *o = out + (b * Hq + h) * D;
+                for (long d = 0; d < D; d++) o[d] = 0.0f;
+                for (long c = 0; c < chunks; c++) {
+                    const float *pc = p0 + c * part_size;
+                    if (pc[Hq + h] == 0.0f) continue;  /* a chunk that saw no key */
+                    const float w = expf(pc[h] - top);
+                    total += w * pc[Hq + h];
+                    axpy_f32(o, w, pc + 2 * Hq + h * D, D);
+                }
+                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+                for (long d = 0; d < D; d++) o[d] *= inv;
             }
         }
         free(part);
