@@ -291,6 +291,20 @@ static void attend_keys(const float *q, const float *k_cache, const float *v_cac
     }
 }
 
+/* Ask for the K and V rows (all KV heads) of keys [start, end) of a sequence into L2: issued a
+ * span ahead, so the scattered blocks arrive while the span before is computed. */
+static void prefetch_keys(const float *k_cache, const float *v_cache, const int64_t *table, long row,
+                          long bs, long start, long end) {
+    for (long t = start; t < end; t++) {
+        const long offset = (table[t / bs] * bs + t % bs) * row;
+        const char *k = (const char *)(k_cache + offset), *v = (const char *)(v_cache + offset);
+        for (long b = 0; b < row * 4; b += 64) {
+            _mm_prefetch(k + b, _MM_HINT_T1);
+            _mm_prefetch(v + b, _MM_HINT_T1);
+        }
+    }
+}
+
 /* Decode attention over a paged KV cache, one query token per sequence, float32.
  *
  * q: row b at q + b * q_row_stride holds its Hq heads of D; k_cache, v_cache: one layer's
@@ -332,8 +346,13 @@ void paged_decode_attention_f32(const float *q, long q_row_stride, const float *
             float mp[ATTN_MAX_Q], lp[ATTN_MAX_Q], acc[ATTN_MAX_QD];
             for (long h = 0; h < Hq; h++) mp[h] = -INFINITY, lp[h] = 0.0f;
             for (long i = 0; i < QD; i++) acc[i] = 0.0f;
+            prefetch_keys(k_cache, v_cache, tables + b * W, Hkv * D, bs, start,
+                          start + ATTN_SPAN < end ? start + ATTN_SPAN : end);
             for (long s0 = start; s0 < end; s0 += ATTN_SPAN) {
                 const long s1 = s0 + ATTN_SPAN < end ? s0 + ATTN_SPAN : end;
+                if (s1 < end)  /* the next span, while this one is computed */
+                    prefetch_keys(k_cache, v_cache, tables + b * W, Hkv * D, bs, s1,
+                                  s1 + ATTN_SPAN < end ? s1 + ATTN_SPAN : end);
                 for (long h = 0; h < Hkv; h++)
                     attend_keys(q + b * q_row_stride + h * GD, k_cache, v_cache, tables + b * W, h, Hkv, D, bs,
                                 G, s0, s1, scale, mp + h * G, lp + h * G, acc + h * GD);
