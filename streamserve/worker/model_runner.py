@@ -31,9 +31,10 @@ logger = logging.getLogger(__name__)
 
 # Steps of at most this many tokens read the low-precision weight copies (see choose_dtypes):
 # through torch's emulated bfloat16 GEMMs, or through the C GEMV kernel, which outruns the
-# float32 GEMM up to about 128 rows on an AVX2 machine (scripts/bench_gemv.py).
+# float32 GEMM up to about 100 rows on an AVX2 machine (scripts/bench_gemv.py: 1.2x at 64,
+# 1.15x at 96, even at 112); such steps also run in one C call (StepForward).
 LOW_PRECISION_MAX_TOKENS = 16
-GEMV_MAX_TOKENS = 64
+GEMV_MAX_TOKENS = 96
 # The most KV splits a decode sequence gets in the Triton split-KV kernel (its workspace size).
 MAX_DECODE_SPLITS = 16
 

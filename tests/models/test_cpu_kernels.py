@@ -160,15 +160,15 @@ def test_c_step_refuses_what_would_reach_outside_its_tables(llama_dir):
     runner = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB").engine_core.model_runner
     step, past = runner.c_step, runner.model.rotary.cos_sin_cache.shape[0]
     one, table = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64)
-    slots = runner.num_blocks * runner.block_size
+    slots, many = runner.num_blocks * runner.block_size, step.max_tokens + 1
     before = [c.clone() for c in runner.kv_caches]
     for args, match in [((one, torch.tensor([past]), one, table, one + 1), "position is past"),
                         ((one, one, torch.tensor([slots]), table, one + 1), "slot is past"),
                         ((one, one, one, table, one + runner.block_size + 1), "length is past"),
                         ((one, one, one, table + runner.num_blocks, one + 1), "block ID is past"),
                         ((one, one, one, table.int(), one + 1), "contiguous int64"),
-                        ((one.repeat(65), one.repeat(65), one.repeat(65), table.repeat(65, 1), one.repeat(65) + 1),
-                         "1 to 64 tokens")]:
+                        ((one.repeat(many), one.repeat(many), one.repeat(many), table.repeat(many, 1),
+                          one.repeat(many) + 1), f"1 to {step.max_tokens} tokens")]:
         with pytest.raises(ValueError, match=match):
             step(*args)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))  # nothing written

@@ -12,8 +12,8 @@
  * float32 accumulators in registers, while the rows two tiles ahead are prefetched
  * (about 20% more bandwidth than the hardware prefetcher alone reaches on short rows).
  * From about four vectors on, the arithmetic bounds it rather than memory; on this
- * project's AVX2 machine it still outruns torch's float32 GEMM up to ~128 vectors
- * (scripts/bench_gemv.py), so the runner uses it for steps of up to 64 tokens.
+ * project's AVX2 machine it still outruns torch's float32 GEMM up to ~100 vectors
+ * (scripts/bench_gemv.py), so the runner uses it for steps of up to 96 tokens.
  *
  * rms_norm_f32: RMSNorm over rows of float32, optionally adding the residual first (in
  * place, like the Triton kernel): one call instead of the eight small torch ops it
