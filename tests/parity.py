@@ -50,9 +50,20 @@ def check_parity(llm: LLM, model_dir: str, num_prompts: int = 9, new_tokens: int
     prompts = [{"prompt_token_ids": p} for p in parity_prompts()[:num_prompts]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     refs = hf_reference(model_dir, num_prompts, new_tokens)
-    assert len(outputs) == len(refs) == num_prompts
+    assert len(outputs) == num_prompts
+    assert_same_greedy(outputs, refs)
+
+
+def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
+    """A request's first sample: its tokens and each one's logprob (run with logprobs=0)."""
+    sample = output.outputs[0]
+    return sample.token_ids, [sample.logprobs[j][t].logprob for j, t in enumerate(sample.token_ids)]
+
+
+def assert_same_greedy(outputs, refs: list[tuple[list[int], list[float]]]) -> None:
+    """Each output's tokens identical to its reference's, logprobs within 1e-4."""
+    assert len(outputs) == len(refs)
     for i, (output, (ref_tokens, ref_logprobs)) in enumerate(zip(outputs, refs)):
-        sample = output.outputs[0]
-        assert sample.token_ids == ref_tokens, f"prompt {i}: tokens differ"
-        ours = [sample.logprobs[j][t].logprob for j, t in enumerate(sample.token_ids)]
-        assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < 1e-4, f"prompt {i}: logprobs differ"
+        tokens, logprobs = tokens_and_logprobs(output)
+        assert tokens == ref_tokens, f"prompt {i}: tokens differ"
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4, f"prompt {i}: logprobs differ"

@@ -222,7 +222,6 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         input_ids, positions, meta, logits_indices, samplers = self._prepare_inputs(so)
-        low_precision = self.half_gemms or len(input_ids) <= self.low_precision_max_tokens
         with torch.inference_mode():
             if isinstance(meta, CStepInputs):
                 hidden = self.c_step(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
@@ -230,16 +229,20 @@ class ModelRunner:
                 hidden = self.graphs.replay(input_ids, positions, meta.slot_mapping, meta.seq_lens,
                                             meta.block_tables)
             else:
-                hidden = self.model(input_ids, positions, self._attention(meta, self.kv_caches), low_precision)
+                hidden = self.model(input_ids, positions, self._attention(meta, self.kv_caches),
+                                    self._reads_copies(len(input_ids)))
             if not samplers:
                 return ModelRunnerOutput([], [])
             # the head by the rows sampled: a long prefill chunk still samples one row
-            logits = self.model.compute_logits(hidden[logits_indices], self.half_gemms
-                                               or len(logits_indices) <= self.low_precision_max_tokens)
+            logits = self.model.compute_logits(hidden[logits_indices], self._reads_copies(len(logits_indices)))
             tokens, logprobs = self.sampler(logits, samplers)
         for state, token in zip(samplers, tokens):
             state.token_ids.append(token)
         return ModelRunnerOutput([s.req_id for s in samplers], tokens, logprobs)
+
+    def _reads_copies(self, rows: int) -> bool:
+        """Whether GEMMs over this many rows read the half-size weight copies."""
+        return self.half_gemms or rows <= self.low_precision_max_tokens
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:

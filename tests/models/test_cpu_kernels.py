@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parity import check_parity
+from parity import assert_same_greedy, check_parity, tokens_and_logprobs
 from streamserve import LLM, SamplingParams
 from streamserve.models import cpu_kernels
 from streamserve.models.layers import RMSNorm
@@ -148,11 +148,7 @@ def test_small_steps_in_one_c_call_match_op_by_op(model_dirs, arch, monkeypatch)
     # the three short prompts' step (42 tokens), 11 decode steps of all three; the long prompt's
     # step ran op by op, then its 11 decode steps
     assert sizes == [42] + [3] * 11 + [1] * 11
-    for got, want in zip(outputs, expected):
-        assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        ours = [lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids)]
-        theirs = [lp[t].logprob for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
-        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-4
+    assert_same_greedy(outputs, [tokens_and_logprobs(want) for want in expected])
 
 
 @needs_kernel
@@ -224,8 +220,4 @@ def test_native_half_gemms_serve_the_large_steps(half_llama_dir, monkeypatch):
     monkeypatch.setattr(F, "linear", lambda x, w, *rest: weights.append((x.shape[0], w.dtype)) or real(x, w, *rest))
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert (103, dtype) in weights and all(w == dtype for _, w in weights)
-    for got, want in zip(outputs, expected):
-        assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        ours = [lp[t].logprob for lp, t in zip(got.outputs[0].logprobs, got.outputs[0].token_ids)]
-        theirs = [lp[t].logprob for lp, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
-        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-4
+    assert_same_greedy(outputs, [tokens_and_logprobs(want) for want in expected])

@@ -478,11 +478,10 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *positions
     }
     float *residual = scratch, *x = residual + B * H, *qkv = x + B * H, *attn = qkv + B * QKV;
     float *gate_up = attn + B * Hq * D, *act = gate_up + B * 2 * I;
-    for (long i = 0; i < B * H; i++) residual[i] = hidden[i];
+    for (long i = 0; i < B * H; i++) residual[i] = 0.0f;  /* the first layer adds the embeddings to it */
     for (long l = 0; l < m->num_layers; l++) {
         const StepLayer *L = m->layers + l;
-        if (l == 0) rms_norm_f32(hidden, 0, L->input_norm, x, B, H, m->eps);
-        else rms_norm_f32(hidden, residual, L->input_norm, x, B, H, m->eps);  /* residual += mlp out */
+        rms_norm_f32(hidden, residual, L->input_norm, x, B, H, m->eps);  /* residual += mlp out */
         gemv_any(m->weight_dtype, x, L->qkv, qkv, B, QKV, H);
         for (long t = 0; t < B; t++) {
             float *row = qkv + t * QKV;
