@@ -2,13 +2,16 @@
 
     python scripts/bench_gemv.py                       # SmolLM2-135M's shapes, bfloat16 copies
     python scripts/bench_gemv.py --rows 1,4,16,64,128 --layers 8
+    python scripts/bench_gemv.py --quant q4_1 --rows 1,2,3,4,8   # GGUF blocks (head: Q8_0)
 
 Every linear weight of the model (30 layers of fused QKV, O, gate/up and down, and the head)
 as random tensors; for each number of rows (tokens in the step), one pass over all of them
 through the kernel (half-size weights) and through F.linear on float32 copies (what the CPU
 path runs above `GEMV_MAX_TOKENS`), best of a few, in the same process. Prints milliseconds,
 the kernel's GB/s of weights read and GFLOP/s, and the ratio: the runner's threshold should
-sit where the ratio nears 1.
+sit where the ratio nears 1. With --quant, also the quantized GEMV over the same weights as
+GGUF blocks (the layers in that type, the head in Q8_0, as the default model stores them),
+and its ratio to the kernel: QUANT_MAX_TOKENS should sit where that ratio nears 1.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--quant", choices=["q4_0", "q4_1", "q8_0"], help="also time GGUF blocks of this type")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -58,14 +62,27 @@ def main() -> None:
     full = [w.float() for w in half]
     weight_bytes = sum(w.numel() * w.element_size() for w in half)
     params = sum(w.numel() for w in half)
+    quant = []
+    if args.quant:
+        import gguf
+
+        kinds = [args.quant] * (len(half) - 1) + ["q8_0"]
+        quant = [(kernels.quant_gemv[kind], torch.from_numpy(gguf.quants.quantize(
+                  w.numpy(), gguf.GGMLQuantizationType[kind.upper()]))) for kind, w in zip(kinds, full)]
+        print(f"GGUF blocks: {sum(b.numel() for _, b in quant) / 1e6:.0f} MB")
     print(f"{len(half)} weights, {weight_bytes / 1e6:.0f} MB in {args.dtype}, {torch.get_num_threads()} threads")
-    print(f"{'rows':>5} {'kernel':>10} {'GB/s':>6} {'GFLOP/s':>8} {'F.linear fp32':>14} {'ratio':>6}")
+    print(f"{'rows':>5} {'kernel':>10} {'GB/s':>6} {'GFLOP/s':>8} {'F.linear fp32':>14} {'ratio':>6}"
+          + (f" {args.quant:>10} {'vs kernel':>9}" if quant else ""))
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen) for k in {k for _, k in shapes}}
         kernel = best_of(lambda: [gemv(xs[w.shape[1]], w) for w in half], args.repeats)
         linear = best_of(lambda: [F.linear(xs[w.shape[1]], w) for w in full], args.repeats)
-        print(f"{m:5d} {kernel * 1e3:8.1f}ms {weight_bytes / kernel / 1e9:6.1f} "
-              f"{2 * params * m / kernel / 1e9:8.1f} {linear * 1e3:12.1f}ms {linear / kernel:6.2f}")
+        line = (f"{m:5d} {kernel * 1e3:8.1f}ms {weight_bytes / kernel / 1e9:6.1f} "
+                f"{2 * params * m / kernel / 1e9:8.1f} {linear * 1e3:12.1f}ms {linear / kernel:6.2f}")
+        if quant:
+            blocks = best_of(lambda: [fn(xs[w.shape[1]], b) for (fn, b), w in zip(quant, half)], args.repeats)
+            line += f" {blocks * 1e3:8.1f}ms {kernel / blocks:9.2f}"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The CPU path's C kernels (csrc/cpu_kernels.c): the small-step GEMV over half-size
-weights, RMSNorm (with the residual add) in one call, decode attention read straight
+weights and over GGUF's quantized blocks, RMSNorm (with the residual add) in one call, decode attention read straight
 from the paged KV cache, and a whole small step of the model in one call (`StepForward`).
 
 Built once per machine with the system C compiler into `$STREAMSERVE_CACHE/kernels`
@@ -24,6 +24,8 @@ from functools import lru_cache
 from typing import Callable, Optional
 
 import torch
+
+from streamserve.models.quantized import BLOCK_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +76,8 @@ def _build(compiler: str) -> str:
 
 class CpuKernels:
     """gemv[dtype](x [M, K] float32, w [N, K] dtype) -> [M, N] float32, for bfloat16,
-    float16 and float32 weights; rms_norm / fused_add_rms_norm with streamserve_kernels.norm's
+    float16 and float32 weights; quant_gemv[kind](x, blocks) likewise for a QuantizedWeight's
+    blocks (models/quantized.py: "q4_0", "q4_1", "q8_0"); rms_norm / fused_add_rms_norm with streamserve_kernels.norm's
     interface (float32, [T, H] contiguous), so RMSNorm takes either as its `kernels`;
     paged_decode_attention for TorchPagedAttention's decode rows (float32)."""
 
@@ -87,6 +90,12 @@ class CpuKernels:
             fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
             fn.restype = None
             self.gemv[dtype] = _wrap_gemv(fn)
+        self.quant_gemv: dict[str, Gemv] = {}
+        for kind in BLOCK_BYTES:
+            fn = getattr(lib, f"gemv_{kind}")
+            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+            fn.restype = ctypes.c_int
+            self.quant_gemv[kind] = _wrap_quant_gemv(fn, BLOCK_BYTES[kind])
         self._norm = lib.rms_norm_f32
         self._norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
         self._norm.restype = None
@@ -172,21 +181,46 @@ def _wrap_gemv(fn) -> Gemv:
     return gemv
 
 
+def _wrap_quant_gemv(fn, block_bytes: int) -> Gemv:
+    def gemv(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        (m, k), n = x.shape, blocks.shape[0]
+        if (x.dtype != torch.float32 or k % 32 or blocks.dtype != torch.uint8 or not blocks.is_contiguous()
+                or blocks.shape[1] != k // 32 * block_bytes):
+            raise ValueError(f"the quantized GEMV takes float32 x [M, K] (K a multiple of 32) and contiguous "
+                             f"uint8 blocks [N, K / 32 * {block_bytes}]; got x {x.dtype} {tuple(x.shape)}, "
+                             f"blocks {blocks.dtype} {tuple(blocks.shape)}")
+        y = torch.empty(m, n)
+        if fn(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, n, k):
+            raise MemoryError("the quantized GEMV found no memory for its int16 activations")
+        return y
+    return gemv
+
+
 # -- a small step in one call ------------------------------------------------------------
 
+# the C side's WEIGHT_* codes
 _WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_QUANT_KINDS = {"q4_0": 3, "q4_1": 4, "q8_0": 5}
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_long)]
+
+
+_LINEARS = ("qkv", "o", "gate_up", "down")
 
 
 class _StepLayer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in (
-        "input_norm", "post_norm", "qkv", "o", "gate_up", "down", "qkv_bias", "q_norm", "k_norm",
-        "k_cache", "v_cache")]
+    _fields_ = ([(name, ctypes.c_void_p) for name in ("input_norm", "post_norm")]
+                + [(name, _Weight * 2) for name in _LINEARS]
+                + [(name, ctypes.c_void_p) for name in ("qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache")])
 
 
 class _StepModel(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_long) for name in (
         "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
-        "max_position", "num_slots", "weight_dtype")]
+        "max_position", "num_slots", "quant_max_tokens")]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
            ("cos_sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_StepLayer))])
 
@@ -200,10 +234,13 @@ class StepForward:
     cache up to its own position (the whole step's keys are written first).
 
     Built once the KV caches exist: the C side keeps pointers to the weights (each Linear's
-    half-size copy where it has one) and to the caches, and this object keeps them alive.
+    half-size copy where it has one, and its GGUF blocks, read by steps of at most
+    `quant_max_tokens` tokens, where it has those) and to the caches, and this object keeps
+    them alive.
     `unsupported(model, kv_caches)` says why a model cannot run this way."""
 
-    def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor], max_tokens: int) -> None:
+    def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor], max_tokens: int,
+                 quant_max_tokens: int = 0) -> None:
         reason = self.unsupported(model, kv_caches)
         if reason:
             raise ValueError(f"the C step cannot run this model: {reason}")
@@ -219,15 +256,19 @@ class StepForward:
             self._keep.append(t)
             return t.data_ptr()
 
-        def weight(linear) -> int:
-            return ptr(_weight(linear))
+        def weights(linear):
+            wide = _weight(linear)
+            pair = (_Weight * 2)((ptr(wide), _WEIGHT_DTYPES[wide.dtype]), (None, 0))
+            if linear.quantized is not None:
+                pair[1] = _Weight(ptr(linear.quantized.blocks), _QUANT_KINDS[linear.quantized.kind])
+            return pair
 
         layers = (_StepLayer * arch.num_layers)()
         for entry, layer, cache in zip(layers, model.layers, kv_caches):
             attn = layer.self_attn
             entry.input_norm, entry.post_norm = ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight)
-            entry.qkv, entry.o = weight(attn.qkv_proj), weight(attn.o_proj)
-            entry.gate_up, entry.down = weight(layer.mlp.gate_up_proj), weight(layer.mlp.down_proj)
+            entry.qkv, entry.o = weights(attn.qkv_proj), weights(attn.o_proj)
+            entry.gate_up, entry.down = weights(layer.mlp.gate_up_proj), weights(layer.mlp.down_proj)
             entry.qkv_bias = ptr(attn.qkv_proj.bias)
             entry.q_norm = ptr(attn.q_norm.weight if attn.q_norm is not None else None)
             entry.k_norm = ptr(attn.k_norm.weight if attn.k_norm is not None else None)
@@ -238,7 +279,7 @@ class StepForward:
             num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
             block_size=kv_caches[0].shape[2], max_position=model.rotary.cos_sin_cache.shape[0],
             num_slots=kv_caches[0].shape[1] * kv_caches[0].shape[2],
-            weight_dtype=_WEIGHT_DTYPES[_weight(model.layers[0].self_attn.qkv_proj).dtype],
+            quant_max_tokens=quant_max_tokens,
             eps=arch.rms_norm_eps, scale=arch.head_dim ** -0.5, final_norm=ptr(model.norm.weight),
             cos_sin=ptr(model.rotary.cos_sin_cache), layers=layers)
         self._model_ref = ctypes.byref(self._model)
@@ -254,7 +295,6 @@ class StepForward:
         if not fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim) or arch.head_dim % 2:
             return f"heads {arch.num_heads}/{arch.num_kv_heads} of {arch.head_dim}"
         floats = [model.norm.weight, model.rotary.cos_sin_cache, model.embed_tokens.weight, *kv_caches]
-        first = _weight(model.layers[0].self_attn.qkv_proj).dtype
         for layer in model.layers:
             attn = layer.self_attn
             floats += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -264,10 +304,10 @@ class StepForward:
             floats += [norm.weight for norm in (attn.q_norm, attn.k_norm) if norm is not None]
             weights = [_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
                                                  layer.mlp.down_proj)]
-            if any(w.dtype != first or w.dtype not in _WEIGHT_DTYPES or not w.is_contiguous()
+            if any(w.dtype not in _WEIGHT_DTYPES or not w.is_contiguous()
                    for w in weights) or any(lin.bias is not None for lin in (attn.o_proj, layer.mlp.gate_up_proj,
                                                                             layer.mlp.down_proj)):
-                return "its linear weights are not all contiguous float32, bfloat16 or float16 of one dtype, without bias"
+                return "its linear weights are not all contiguous float32, bfloat16 or float16, without bias"
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in floats):
             return "it does not compute in float32 on the CPU"
         return None
@@ -294,7 +334,8 @@ class StepForward:
             raise ValueError({-1: f"a position is past the model's {self._model.max_position} (rotary table)",
                               -2: f"a slot is past the KV cache's {self._model.num_slots}",
                               -3: "a length is past its block-table row",
-                              -4: "a block ID is past the KV cache"}[rc])
+                              -4: "a block ID is past the KV cache",
+                              -5: "a quantized GEMV found no memory for its activations"}[rc])
         return hidden
 
 

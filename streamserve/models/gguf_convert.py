@@ -19,8 +19,10 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from streamserve.models.quantized import BLOCK_BYTES, BLOCKS_FILE, QuantizedWeight, save_blocks
+
 # GGUF architecture -> (Hugging Face architecture, model_type, Q/K rows permuted by llama.cpp)
-_ARCHS = {
+ARCHS = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
@@ -62,10 +64,10 @@ def read_metadata(reader) -> dict[str, Any]:
 
 def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype) -> dict[str, Any]:
     arch = meta.get("general.architecture")
-    if arch not in _ARCHS:
+    if arch not in ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; streamserve reads "
-                         f"{', '.join(sorted(_ARCHS))} GGUF files")
-    hf_arch, model_type, _ = _ARCHS[arch]
+                         f"{', '.join(sorted(ARCHS))} GGUF files")
+    hf_arch, model_type, _ = ARCHS[arch]
     get = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
     heads = get("attention.head_count")
     hidden = get("embedding_length")
@@ -119,21 +121,31 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.bfloat
         raise ValueError("this GGUF carries rope_freqs (Llama-3.1-style rope scaling), which "
                          "streamserve does not read from GGUF yet; use the Hugging Face checkpoint")
     config = hf_config(meta, tied="output.weight" not in names, dtype=dtype)
-    permuted = _ARCHS[meta["general.architecture"]][2]
+    permuted = ARCHS[meta["general.architecture"]][2]
     tmp_dir = out_dir + ".partial"
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, QuantizedWeight] = {}
     for t in tqdm(reader.tensors, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor"):
+        name = hf_name(t.name)
+
+        def unpermuted(rows: np.ndarray) -> np.ndarray:
+            if permuted and name.endswith("q_proj.weight"):
+                return reverse_permute(rows, config["num_attention_heads"])
+            if permuted and name.endswith("k_proj.weight"):
+                return reverse_permute(rows, config["num_key_value_heads"])
+            return rows
+
         # GGUF shapes list the fastest-varying dimension first: reverse for numpy.
         array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        name = hf_name(t.name)
-        if permuted and name.endswith("q_proj.weight"):
-            array = reverse_permute(array, config["num_attention_heads"])
-        elif permuted and name.endswith("k_proj.weight"):
-            array = reverse_permute(array, config["num_key_value_heads"])
-        tensors[name] = torch.from_numpy(np.require(array, np.float32, ["C", "W"])).to(dtype)
+        tensors[name] = torch.from_numpy(np.require(unpermuted(array), np.float32, ["C", "W"])).to(dtype)
+        kind = t.tensor_type.name.lower()
+        if kind in BLOCK_BYTES and array.ndim == 2:  # kept as they are too, whole rows moved
+            rows = np.array(unpermuted(np.asarray(t.data).reshape(array.shape[0], -1)))
+            blocks[name] = QuantizedWeight(kind, torch.from_numpy(rows))
     save_file(tensors, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_blocks(os.path.join(tmp_dir, BLOCKS_FILE), blocks)
     with open(os.path.join(tmp_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
     _convert_tokenizer(gguf_path, tmp_dir, meta)
@@ -159,7 +171,7 @@ def source_stamp(gguf_path: str, dtype: torch.dtype) -> dict[str, Any]:
     """What a converted directory was made from: a changed file means a new conversion."""
     st = os.stat(gguf_path)
     return {"path": os.path.abspath(gguf_path), "size": st.st_size, "mtime": int(st.st_mtime),
-            "dtype": str(dtype)}
+            "dtype": str(dtype), "blocks": BLOCKS_FILE}
 
 
 def is_converted(gguf_path: str, out_dir: str, dtype: torch.dtype) -> bool:

@@ -41,13 +41,15 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """A linear layer that may also keep a low-precision copy of its weight.
+    """A linear layer that may also keep compact copies of its weight for small steps.
 
     On the CPU a bfloat16 checkpoint runs in float32, but steps of a few tokens are
     bound by reading the weights, not by compute: for those, the half-size copy is
     faster (`ForwardContext.low_precision`), read by the CPU GEMV kernel (cpu_kernels.py)
     for up to `gemv_max_rows` rows where it builds, else (and on CPUs with native
-    half-precision GEMMs, for the larger steps too) by torch.
+    half-precision GEMMs, for the larger steps too) by torch. A layer loaded from a GGUF
+    file may also keep its blocks (`quantized`), smaller still, read by the quantized
+    GEMV for up to `quant_max_rows` rows.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -57,6 +59,9 @@ class Linear(nn.Module):
         self.low_precision_weight: Optional[torch.Tensor] = None
         self.gemv: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
         self.gemv_max_rows = 0
+        self.quantized = None  # models.quantized.QuantizedWeight
+        self.quant_gemv: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+        self.quant_max_rows = 0
 
     def keep_low_precision_copy(self, dtype: torch.dtype, gemv=None, gemv_max_rows: int = 0,
                                 drop_full: bool = False) -> None:
@@ -68,8 +73,19 @@ class Linear(nn.Module):
         if drop_full:
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
+    def keep_quantized(self, weight, gemv, max_rows: int) -> None:
+        """Read `weight` (a QuantizedWeight of this layer's shape) with `gemv(x, blocks)` for
+        low-precision inputs of at most `max_rows` rows."""
+        if weight.shape != (self.weight.shape[0], self.weight.shape[1]) and self.weight.numel():
+            raise ValueError(f"quantized weight {weight.shape} does not fit a {tuple(self.weight.shape)} layer")
+        self.quantized, self.quant_gemv, self.quant_max_rows = weight, gemv, max_rows
+
     def forward(self, x: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
         w = self.low_precision_weight
+        if low_precision and self.quantized is not None and x.shape[0] <= self.quant_max_rows \
+                and x.dtype == torch.float32:
+            out = self.quant_gemv(x, self.quantized.blocks)
+            return out if self.bias is None else out + self.bias
         if low_precision and w is not None:
             if self.gemv is not None and x.dtype == torch.float32 and x.shape[0] <= self.gemv_max_rows:
                 out = self.gemv(x, w)

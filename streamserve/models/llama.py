@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from streamserve.models.layers import AttentionFn, ForwardContext, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from streamserve.models.quantized import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,30 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.keep_low_precision_copy(dtype, gemv, gemv_max_rows,
                                                drop_full and module.weight is not self.embed_tokens.weight)
+
+    def keep_quantized(self, weights: dict, gemvs: dict, max_rows: int) -> list[str]:
+        """Give each linear layer whose checkpoint tensors are all in `weights` (Hugging Face
+        name -> QuantizedWeight, one kind) its blocks, read by `gemvs[kind]` for steps of at
+        most `max_rows` rows. Returns the layers that got them."""
+        pieces: dict[str, list[str]] = {}
+        for piece, (fused, shard) in sorted(self.STACKED.items(), key=lambda item: item[1]):
+            pieces.setdefault(fused, []).append(piece)
+        kept = []
+        for name, module in self.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            prefix, _, last = name.rpartition(".")
+            if name == "lm_head":
+                names = ["model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"]
+            else:
+                names = [f"model.{prefix}.{piece}.weight" for piece in pieces.get(last, [last])]
+            if not all(n in weights for n in names):
+                continue
+            stacked = QuantizedWeight.stacked([weights[n] for n in names])
+            if stacked is not None and stacked.kind in gemvs:
+                module.keep_quantized(stacked, gemvs[stacked.kind], max_rows)
+                kept.append(name)
+        return kept
 
     # -- weights ---------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from streamserve.config import ModelConfig
 from streamserve.models.llama import LlamaForCausalLM
+from streamserve.models.quantized import BLOCKS_FILE
 from streamserve.models.registry import build_model
 
 
@@ -21,7 +22,9 @@ def safetensors_files(model_dir: str) -> list[str]:
         with open(index, encoding="utf-8") as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(model_dir, s) for s in shards]
-    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    # (a GGUF conversion's quantized blocks are not weights of the model: models/quantized.py)
+    files = sorted(f for f in glob.glob(os.path.join(model_dir, "*.safetensors"))
+                   if os.path.basename(f) != BLOCKS_FILE)
     if not files:
         raise ValueError(f"model directory {model_dir!r} has no *.safetensors weights")
     return files

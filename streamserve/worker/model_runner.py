@@ -18,7 +18,9 @@ import torch
 from streamserve.config import Config
 from streamserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from streamserve.models import cpu_kernels
+from streamserve.models.layers import Linear
 from streamserve.models.loader import load_model
+from streamserve.models.quantized import read_quantized
 from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
 from streamserve.worker.block_table import BlockTable
 from streamserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -35,6 +37,13 @@ logger = logging.getLogger(__name__)
 # 1.15x at 96, even at 112); such steps also run in one C call (StepForward).
 LOW_PRECISION_MAX_TOKENS = 16
 GEMV_MAX_TOKENS = 96
+# Steps of at most this many tokens read a GGUF model's quantized blocks (models/quantized.py),
+# where it has them: the quantized GEMV reads 2-3.5x fewer bytes than the other copies but
+# spends more arithmetic per weight. On an AVX2 machine (scripts/bench_gemv.py --quant q4_1)
+# it is 1.5x the bfloat16 GEMV at one token, 1.15x at two, even at three; and 2.8x the float32
+# GEMV at one token, 1.1x at eight, even at sixteen.
+QUANT_MAX_TOKENS = 2  # where the layers keep half-size copies
+QUANT_MAX_TOKENS_FLOAT32 = 8  # where they read float32 weights (a float32 conversion)
 # The most KV splits a decode sequence gets in the Triton split-KV kernel (its workspace size).
 MAX_DECODE_SPLITS = 16
 
@@ -107,6 +116,9 @@ class ModelRunner:
                         else f"nothing (this CPU emulates {half} GEMMs: float32 GEMMs serve)")
             # with native half GEMMs every step reads the copies: the float32 weights go
             self.model.keep_low_precision_copies(low_precision, gemv, GEMV_MAX_TOKENS, drop_full=native_half)
+        self.quant_max_tokens = QUANT_MAX_TOKENS if low_precision is not None else QUANT_MAX_TOKENS_FLOAT32
+        if self.c_kernels is not None:
+            self._keep_quantized(config.model.model)
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.triton = config.device.kernel_backend == "triton"
         self.workspace = None
@@ -125,7 +137,8 @@ class ModelRunner:
         if self.c_kernels is not None and not config.device.enforce_eager:
             reason = cpu_kernels.StepForward.unsupported(self.model, self.kv_caches)
             if reason is None:
-                self.c_step = cpu_kernels.StepForward(self.c_kernels, self.model, self.kv_caches, GEMV_MAX_TOKENS)
+                self.c_step = cpu_kernels.StepForward(self.c_kernels, self.model, self.kv_caches, GEMV_MAX_TOKENS,
+                                                      self.quant_max_tokens)
             else:
                 logger.info("every step runs op by op: the C step cannot run this model (%s)", reason)
         self.graphs: Optional[DecodeGraphs] = None
@@ -138,6 +151,18 @@ class ModelRunner:
                                       -(-config.model.max_model_len // self.block_size))
         # Seeded generators outlive preemption, so a resumed request keeps its stream.
         self.generators: dict[str, torch.Generator] = {}
+
+    def _keep_quantized(self, model_dir: str) -> None:
+        """Give the linear layers of a model converted from GGUF its quantized blocks."""
+        weights = read_quantized(model_dir)
+        if not weights:
+            return
+        kept = self.model.keep_quantized(weights, self.c_kernels.quant_gemv, self.quant_max_tokens)
+        if kept:
+            self.low_precision_max_tokens = max(self.low_precision_max_tokens, self.quant_max_tokens)
+        total = sum(isinstance(m, Linear) for m in self.model.modules())
+        logger.info("steps of at most %d tokens read the GGUF's quantized blocks of %d of %d linear layers "
+                    "(Q4_0, Q4_1 and Q8_0 tensors)", self.quant_max_tokens, len(kept), total)
 
     # -- sizing ------------------------------------------------------------------
 

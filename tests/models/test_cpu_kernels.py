@@ -12,6 +12,7 @@ from parity import assert_same_greedy, check_parity, tokens_and_logprobs
 from streamserve import LLM, SamplingParams
 from streamserve.models import cpu_kernels
 from streamserve.models.layers import RMSNorm
+from streamserve.models.quantized import QuantizedWeight
 from streamserve.worker import model_runner
 
 kernels = cpu_kernels.load()
@@ -38,6 +39,44 @@ def test_kernel_reads_strided_input():
     x = torch.randn(8, 64)[::2]  # every other row: not contiguous
     w = torch.randn(16, 64).to(torch.bfloat16)
     torch.testing.assert_close(kernels.gemv[torch.bfloat16](x, w), x @ w.float().t(), rtol=1e-5, atol=1e-5)
+
+
+def quantized(kind: str, n: int, k: int, seed: int):
+    """A random [n, k] weight as GGUF blocks of `kind` (QuantizedWeight)."""
+    gguf = pytest.importorskip("gguf")
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    blocks = gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind.upper()])
+    return QuantizedWeight(kind, torch.from_numpy(blocks))
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])  # tiles of 4 vectors, and what is left
+@pytest.mark.parametrize("n,k", [(37, 576), (6, 32), (5, 96)])  # rows in threes, and 1 or 2 left
+def test_quantized_kernel_matches_the_dequantized_weight(kind, m, n, k):
+    weight = quantized(kind, n, k, seed=m * 1000 + n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
+    x[0, :32] = 0.0  # a block of zeros (its int16 scale is 0)
+    x[-1, 5] = 1e4  # an outlier: its block loses precision, no other does
+    y = kernels.quant_gemv[kind](x, weight.blocks)
+    w = weight.dequantize().double()
+    ref = x.double() @ w.t()
+    # The kernel's only error besides float32 rounding: each block of x as int16 times its scale,
+    # off by at most half a step (its largest magnitude / 32767 / 2) per value.
+    step = x.reshape(m, -1, 32).abs().amax(-1).double() / 32767
+    bound = torch.einsum("mb,nbj->mn", step / 2, w.abs().reshape(n, -1, 32))
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert ((y.double() - ref).abs() <= bound + 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6).all()
+
+
+@needs_kernel
+def test_quantized_kernel_refuses_what_it_cannot_read():
+    weight = quantized("q4_1", 4, 64, seed=0)
+    gemv = kernels.quant_gemv["q4_1"]
+    for x, blocks in ((torch.randn(2, 48), weight.blocks), (torch.randn(2, 64), weight.blocks[:, :-1]),
+                      (torch.randn(2, 64).double(), weight.blocks), (torch.randn(2, 64), weight.blocks.float())):
+        with pytest.raises(ValueError, match="quantized GEMV takes"):
+            gemv(x, blocks)
 
 
 @needs_kernel

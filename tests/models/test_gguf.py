@@ -30,7 +30,11 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def write_gguf(hf_dir: str, path: str) -> None:
+# As the default model (SmolLM2-135M-Instruct.Q4_1.gguf) is stored: Q4_1 layers, a Q8_0 embedding.
+_LIKE_DEFAULT = {piece: (cpp, Q.F32 if "norm" in piece else Q.Q4_1) for piece, (cpp, _) in _NAMES.items()}
+
+
+def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32) -> None:
     from safetensors.numpy import load_file
     from transformers import AutoTokenizer
 
@@ -61,38 +65,50 @@ def write_gguf(hf_dir: str, path: str) -> None:
     writer.add_add_bos_token(False)
     writer.add_chat_template(tok.chat_template)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    writer.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"])
+    add(writer, "token_embd.weight", tensors["model.embed_tokens.weight"], embedding)
     writer.add_tensor("output_norm.weight", tensors["model.norm.weight"])
     for i in range(cfg["num_hidden_layers"]):
-        for hf_piece, (cpp_piece, qtype) in _NAMES.items():
+        for hf_piece, (cpp_piece, qtype) in types.items():
             w = tensors[f"model.layers.{i}.{hf_piece}.weight"].astype(np.float32)
             if cpp_piece == "attn_q":
                 w = permute(w, heads)
             elif cpp_piece == "attn_k":
                 w = permute(w, kv_heads)
-            if qtype == Q.F16:
-                writer.add_tensor(f"blk.{i}.{cpp_piece}.weight", w.astype(np.float16))
-            elif qtype == Q.F32:
-                writer.add_tensor(f"blk.{i}.{cpp_piece}.weight", w)
-            else:
-                writer.add_tensor(f"blk.{i}.{cpp_piece}.weight", gguf.quants.quantize(w, qtype),
-                                  raw_dtype=qtype)
+            add(writer, f"blk.{i}.{cpp_piece}.weight", w, qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
 
 
-@pytest.fixture(scope="module")
-def gguf_path(tmp_path_factory) -> str:
+def add(writer, name: str, w: np.ndarray, qtype) -> None:
+    w = w.astype(np.float32)
+    if qtype == Q.F16:
+        writer.add_tensor(name, w.astype(np.float16))
+    elif qtype == Q.F32:
+        writer.add_tensor(name, w)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+
+
+def tiny_gguf(root, **kwargs) -> str:
     from tiny_models import build_model
 
-    root = tmp_path_factory.mktemp("gguf")
     hf_dir = build_model(str(root / "hf"), "llama", seed=7, tie_word_embeddings=True,
                          rope_scaling=None, hidden_size=64, intermediate_size=128)
     path = str(root / "tiny-llama.gguf")
-    write_gguf(hf_dir, path)
+    write_gguf(hf_dir, path, **kwargs)
     return path
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory) -> str:
+    return tiny_gguf(tmp_path_factory.mktemp("gguf"))
+
+
+@pytest.fixture(scope="module")
+def q4_1_path(tmp_path_factory) -> str:
+    return tiny_gguf(tmp_path_factory.mktemp("gguf-q4_1"), types=_LIKE_DEFAULT, embedding=Q.Q8_0)
 
 
 @pytest.fixture(autouse=True)
@@ -105,14 +121,13 @@ def test_reverse_permute_undoes_llama_cpp():
     assert np.array_equal(reverse_permute(permute(w, 3), 3), w)
 
 
-def test_greedy_tokens_match_transformers_on_the_same_gguf(gguf_path):
+def greedy_against_transformers(path: str, llm: LLM) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = os.path.split(gguf_path)
+    folder, name = os.path.split(path)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    llm = LLM(gguf_path, dtype="float32", kv_cache_memory="16MiB")
     prompts = ["The quick brown fox", "Paris is the capital of", "hello world", "def add(a, b):"]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                            use_tqdm=False)
@@ -122,6 +137,27 @@ def test_greedy_tokens_match_transformers_on_the_same_gguf(gguf_path):
         ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
                           pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
         assert output.outputs[0].token_ids == ref
+
+
+def test_greedy_tokens_match_transformers_on_the_same_gguf(gguf_path):
+    greedy_against_transformers(gguf_path, LLM(gguf_path, dtype="float32", kv_cache_memory="16MiB"))
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])  # the one-call C step, and op by op
+def test_small_steps_read_the_quantized_blocks(q4_1_path, enforce_eager):
+    from streamserve.models import cpu_kernels
+    from streamserve.models.layers import Linear
+
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    # one sequence at a time: every decode step is a single token, which reads the blocks
+    llm = LLM(q4_1_path, dtype="float32", kv_cache_memory="16MiB", enforce_eager=enforce_eager, max_num_seqs=1)
+    runner = llm.engine_core.model_runner
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert {(m.quantized.kind if m.quantized else None) for m in linears if m is not runner.model.lm_head} == {"q4_1"}
+    assert runner.model.lm_head.quantized.kind == "q8_0"  # the tied embedding's blocks
+    assert (runner.c_step is None) == enforce_eager
+    greedy_against_transformers(q4_1_path, llm)
 
 
 def test_directory_plus_file_name_and_chat_template(gguf_path):

@@ -93,11 +93,12 @@ static inline float hsum(__m256 v) {
             }                                                                                     \
     }
 
-/* y = x @ w.T over rows [n, n + NR) of w for all M vectors: four at a time, then the rest. */
-#define DEFINE_ROWS(NAME, T, TILE)                                                                \
+/* y = x @ w.T over rows [n, n + NR) of w for all M vectors: four at a time, then the rest.
+ * STRIDE(K): how many T a row of w takes (K elements, or K / 32 blocks). */
+#define DEFINE_ROWS(NAME, T, TILE, STRIDE)                                                        \
     static inline __attribute__((always_inline)) void NAME(                                       \
         const float *x, const T *wr, float *y, long M, long N, long K, long n, const int NR) {     \
-        const char *ahead = (const char *)(wr + 2 * NR * K);  /* two tiles on: a hint, never faults */ \
+        const char *ahead = (const char *)(wr + 2 * NR * STRIDE(K));  /* two tiles on: a hint, never faults */ \
         long m0 = 0;                                                                              \
         for (; m0 + 4 <= M; m0 += 4) TILE(x + m0 * K, wr, y + m0 * N + n, K, N, 4, NR, m0 ? 0 : ahead); \
         switch (M - m0) {                                                                         \
@@ -108,27 +109,186 @@ static inline float hsum(__m256 v) {
     }
 
 /* Rows of w in threes across the OpenMP threads (the same runtime torch uses), then the one or two left. */
+#define DEFINE_GEMV_OF(NAME, T, TILE, STRIDE)                                                     \
+    DEFINE_ROWS(NAME##_rows, T, TILE, STRIDE)                                                     \
+    void NAME(const float *x, const T *w, float *y, long M, long N, long K) {                      \
+        const long S = STRIDE(K);                                                                 \
+        _Pragma("omp parallel for schedule(static)")                                              \
+        for (long p = 0; p < N / 3; p++) NAME##_rows(x, w + 3 * p * S, y, M, N, K, 3 * p, 3);     \
+        if (N % 3 == 2) NAME##_rows(x, w + (N - 2) * S, y, M, N, K, N - 2, 2);                    \
+        if (N % 3 == 1) NAME##_rows(x, w + (N - 1) * S, y, M, N, K, N - 1, 1);                    \
+    }
+
+#define ELEMENTS(K) (K)
 #define DEFINE_GEMV(NAME, T, WIDEN, SCALAR)                                                       \
     DEFINE_TILE(NAME##_tile, T, WIDEN, SCALAR)                                                    \
-    DEFINE_ROWS(NAME##_rows, T, NAME##_tile)                                                      \
-    void NAME(const float *x, const T *w, float *y, long M, long N, long K) {                     \
-        _Pragma("omp parallel for schedule(static)")                                              \
-        for (long p = 0; p < N / 3; p++) NAME##_rows(x, w + 3 * p * K, y, M, N, K, 3 * p, 3);     \
-        if (N % 3 == 2) NAME##_rows(x, w + (N - 2) * K, y, M, N, K, N - 2, 2);                    \
-        if (N % 3 == 1) NAME##_rows(x, w + (N - 1) * K, y, M, N, K, N - 1, 1);                    \
-    }
+    DEFINE_GEMV_OF(NAME, T, NAME##_tile, ELEMENTS)
 
 DEFINE_GEMV(gemv_bf16, uint16_t, widen_bf16, scalar_bf16)
 DEFINE_GEMV(gemv_f16, uint16_t, widen_f16, scalar_f16)
 DEFINE_GEMV(gemv_f32, float, _mm256_loadu_ps, (float))
 
-/* The weight dtypes, as step_forward_f32 names them. */
-enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1, WEIGHT_F16 = 2 };
+/* ---- GGUF's quantized blocks: 32 weights each, with a float16 scale d (Q4_1: and a minimum m) --
+ *
+ * Q4_0: w = d * (q - 8), q 4-bit; Q4_1: w = d * q + m; Q8_0: w = d * q, q signed 8-bit. A 4-bit
+ * block's byte j holds weight j in its low nibble and weight j + 16 in its high one. At 4.5 to
+ * 8.5 bits a weight, a small step reads 2-3.5x fewer bytes than from bfloat16 copies.
+ *
+ * Widening every weight to float32 would cost more than the bytes it saves (on AVX2, the int to
+ * float conversion is the bottleneck), so the products are taken in integers: each vector x is
+ * split into blocks of 32 and each block scaled to int16 (x ~ sx * x16, |x16| <= 32767: a
+ * relative error of 2^-16 of the block's largest value, far below bfloat16's 2^-9), and
+ * _mm256_madd_epi16 multiplies 16 weights by 16 activations and adds them in pairs, exactly.
+ * Per block, d * sx * sum(q * x16) and the minimum's share, m * sx * sum(x16) (Q4_0: m = -8d),
+ * go into float32 accumulators: the result is that of the exact weights with x as int16. */
+typedef struct { uint16_t d; uint8_t qs[16]; } BlockQ4_0;
+typedef struct { uint16_t d, m; uint8_t qs[16]; } BlockQ4_1;
+typedef struct { uint16_t d; int8_t qs[32]; } BlockQ8_0;
 
-static void gemv_any(long dtype, const float *x, const void *w, float *y, long M, long N, long K) {
-    if (dtype == WEIGHT_BF16) gemv_bf16(x, (const uint16_t *)w, y, M, N, K);
-    else if (dtype == WEIGHT_F16) gemv_f16(x, (const uint16_t *)w, y, M, N, K);
-    else gemv_f32(x, (const float *)w, y, M, N, K);
+/* The activations, as the quantized GEMVs read them: per vector and block of 32, int16 values,
+ * their scale sx and their sum times sx. */
+typedef struct { int16_t *x16; float *sx, *xsum; } QuantX;
+
+static int quantize_x(const float *x, long M, long K, QuantX *q) {
+    const long nb = K / 32;
+    q->x16 = (int16_t *)malloc(sizeof(int16_t) * M * K + 2 * sizeof(float) * M * nb);
+    if (!q->x16) return -1;
+    q->sx = (float *)(q->x16 + M * K);
+    q->xsum = q->sx + M * nb;
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (long i = 0; i < M * nb; i++) {
+        const float *xb = x + 32 * i;
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < 32; j += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xb + j), abs_mask));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+        __m256i sum = _mm256_setzero_si256();
+        for (int j = 0; j < 32; j += 16) {
+            const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j), inv));
+            const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8), inv));
+            /* packs works within 128-bit lanes: put the four quarters back in order */
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);
+            _mm256_storeu_si256((__m256i *)(q->x16 + 32 * i + j), packed);
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(packed, _mm256_set1_epi16(1)));
+        }
+        q->sx[i] = top / 32767.0f;
+        /* the sum of the int16 values, not of x: then the minimum's share has the same error as
+         * the rest, and the result is exactly the product with the int16 x (the weights are exact) */
+        q->xsum[i] = q->sx[i] * hsum(_mm256_cvtepi32_ps(sum));
+    }
+    return 0;
+}
+
+/* A block's 32 weights as two vectors of 16 int16 (weights 0-15, 16-31), and its d. */
+static inline void widen_q4(const uint8_t *qs, __m256i *lo, __m256i *hi) {
+    const __m256i q = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)qs));  /* a byte a lane */
+    *lo = _mm256_and_si256(q, _mm256_set1_epi16(15));
+    *hi = _mm256_srli_epi16(q, 4);
+}
+static inline void widen_q4_0(const BlockQ4_0 *b, __m256i *lo, __m256i *hi) { widen_q4(b->qs, lo, hi); }
+static inline void widen_q4_1(const BlockQ4_1 *b, __m256i *lo, __m256i *hi) { widen_q4(b->qs, lo, hi); }
+static inline void widen_q8_0(const BlockQ8_0 *b, __m256i *lo, __m256i *hi) {
+    *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->qs));
+    *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b->qs + 16)));
+}
+/* A block's d and the minimum each of its weights has on top of d * q. */
+static inline void scales_q4_0(const BlockQ4_0 *b, float *d, float *m) { *d = _cvtsh_ss(b->d); *m = -8.0f * *d; }
+static inline void scales_q4_1(const BlockQ4_1 *b, float *d, float *m) {
+    uint32_t dm;
+    __builtin_memcpy(&dm, b, 4);
+    const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm));
+    *d = _mm_cvtss_f32(both), *m = _mm_cvtss_f32(_mm_movehdup_ps(both));
+}
+static inline void scales_q8_0(const BlockQ8_0 *b, float *d, float *m) { *d = _cvtsh_ss(b->d); *m = 0.0f; }
+
+/* As DEFINE_TILE, over blocks: each row's block is widened once for all MR vectors, whose
+ * int16 blocks start at x16 (K apart), with their scales and sums at sx, xsum (K / 32 apart). */
+#define DEFINE_QTILE(NAME, BLOCK, WIDEN, SCALES, HAS_MINIMUM)                                    \
+    static inline __attribute__((always_inline)) void NAME(                                       \
+        const QuantX *qx, const BLOCK *wr, float *yb, long K, long N, const int MR, const int NR,  \
+        const char *ahead) {                                                                      \
+        const long nb = K / 32;                                                                   \
+        __m256 acc[4][3];                                                                         \
+        float low[4][3];                                                                          \
+        for (int m = 0; m < MR; m++)                                                              \
+            for (int r = 0; r < NR; r++) acc[m][r] = _mm256_setzero_ps(), low[m][r] = 0.0f;       \
+        for (long b = 0; b < nb; b++) {                                                           \
+            if (ahead)                                                                            \
+                for (int r = 0; r < NR; r++) _mm_prefetch(ahead + sizeof(BLOCK) * (r * nb + b), _MM_HINT_T0); \
+            for (int r = 0; r < NR; r++) {                                                        \
+                const BLOCK *blk = wr + r * nb + b;                                               \
+                __m256i lo, hi;                                                                   \
+                WIDEN(blk, &lo, &hi);                                                             \
+                float d, mn;                                                                      \
+                SCALES(blk, &d, &mn);                                                             \
+                for (int m = 0; m < MR; m++) {                                                    \
+                    if (HAS_MINIMUM) low[m][r] += mn * qx->xsum[m * nb + b];                      \
+                    const int16_t *xv = qx->x16 + m * K + 32 * b;                                 \
+                    const __m256i s = _mm256_add_epi32(                                           \
+                        _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xv)),           \
+                        _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xv + 16))));   \
+                    acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),                            \
+                                                _mm256_set1_ps(d * qx->sx[m * nb + b]), acc[m][r]); \
+                }                                                                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int m = 0; m < MR; m++)                                                              \
+            for (int r = 0; r < NR; r++) yb[m * N + r] = hsum(acc[m][r]) + low[m][r];             \
+    }
+
+/* y = x @ w.T over rows [n, n + NR) of w for all M vectors: four at a time, then the rest. */
+#define DEFINE_QROWS(NAME, BLOCK, TILE)                                                           \
+    static inline __attribute__((always_inline)) void NAME(                                       \
+        const QuantX *qx, const BLOCK *wr, float *y, long M, long N, long K, long n, const int NR) { \
+        const char *ahead = (const char *)(wr + 2 * NR * (K / 32));                               \
+        const long nb = K / 32;                                                                   \
+        long m0 = 0;                                                                              \
+        for (; m0 < M; m0 += 4) {                                                                 \
+            const QuantX sub = {qx->x16 + m0 * K, qx->sx + m0 * nb, qx->xsum + m0 * nb};          \
+            switch (M - m0 < 4 ? M - m0 : 4) {                                                    \
+            case 4: TILE(&sub, wr, y + m0 * N + n, K, N, 4, NR, m0 ? 0 : ahead); break;           \
+            case 3: TILE(&sub, wr, y + m0 * N + n, K, N, 3, NR, m0 ? 0 : ahead); break;           \
+            case 2: TILE(&sub, wr, y + m0 * N + n, K, N, 2, NR, m0 ? 0 : ahead); break;           \
+            case 1: TILE(&sub, wr, y + m0 * N + n, K, N, 1, NR, m0 ? 0 : ahead); break;           \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+/* Returns 0, or -1 when there is no memory for the int16 activations. K: a multiple of 32. */
+#define DEFINE_QGEMV(NAME, BLOCK, WIDEN, SCALES, HAS_MINIMUM)                                    \
+    DEFINE_QTILE(NAME##_tile, BLOCK, WIDEN, SCALES, HAS_MINIMUM)                                 \
+    DEFINE_QROWS(NAME##_rows, BLOCK, NAME##_tile)                                                 \
+    int NAME(const float *x, const BLOCK *w, float *y, long M, long N, long K) {                  \
+        QuantX qx;                                                                                \
+        if (quantize_x(x, M, K, &qx)) return -1;                                                  \
+        const long S = K / 32;                                                                    \
+        _Pragma("omp parallel for schedule(static)")                                              \
+        for (long p = 0; p < N / 3; p++) NAME##_rows(&qx, w + 3 * p * S, y, M, N, K, 3 * p, 3);   \
+        if (N % 3 == 2) NAME##_rows(&qx, w + (N - 2) * S, y, M, N, K, N - 2, 2);                  \
+        if (N % 3 == 1) NAME##_rows(&qx, w + (N - 1) * S, y, M, N, K, N - 1, 1);                  \
+        free(qx.x16);                                                                             \
+        return 0;                                                                                 \
+    }
+
+DEFINE_QGEMV(gemv_q4_0, BlockQ4_0, widen_q4_0, scales_q4_0, 1)
+DEFINE_QGEMV(gemv_q4_1, BlockQ4_1, widen_q4_1, scales_q4_1, 1)
+DEFINE_QGEMV(gemv_q8_0, BlockQ8_0, widen_q8_0, scales_q8_0, 0)
+
+/* The weight types, as step_forward_f32 names them. */
+enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1, WEIGHT_F16 = 2, WEIGHT_Q4_0 = 3, WEIGHT_Q4_1 = 4, WEIGHT_Q8_0 = 5 };
+
+/* Returns 0, or -1 when a quantized GEMV found no memory for its int16 activations. */
+static int gemv_any(long type, const float *x, const void *w, float *y, long M, long N, long K) {
+    switch (type) {
+    case WEIGHT_BF16: gemv_bf16(x, (const uint16_t *)w, y, M, N, K); return 0;
+    case WEIGHT_F16: gemv_f16(x, (const uint16_t *)w, y, M, N, K); return 0;
+    case WEIGHT_Q4_0: return gemv_q4_0(x, (const BlockQ4_0 *)w, y, M, N, K);
+    case WEIGHT_Q4_1: return gemv_q4_1(x, (const BlockQ4_1 *)w, y, M, N, K);
+    case WEIGHT_Q8_0: return gemv_q8_0(x, (const BlockQ8_0 *)w, y, M, N, K);
+    default: gemv_f32(x, (const float *)w, y, M, N, K); return 0;
+    }
 }
 
 /* out[t] = r[t] * rsqrt(mean(r[t]^2) + eps) * w, where r = x, or, with a residual,
@@ -405,9 +565,17 @@ void paged_decode_attention_f32(const float *q, long q_row_stride, const float *
  * prefill chunk, attends as a decode row does: over its sequence's cache up to its own
  * position, which holds the whole chunk's keys once they are written (causal attention). */
 
+/* A linear layer's weight as a GEMV reads it: its data and its WEIGHT_* type. */
+typedef struct {
+    const void *data;
+    long type;
+} Weight;
+
+/* Each linear layer's weight for steps of more than quant_max_tokens tokens ([0]) and its
+ * GGUF blocks for steps of at most that many ([1], data NULL where it has none). */
 typedef struct {
     const float *input_norm, *post_norm;    /* [H] */
-    const void *qkv, *o, *gate_up, *down;   /* [N, K] weights, in the model's weight dtype */
+    Weight qkv[2], o[2], gate_up[2], down[2]; /* [N, K] */
     const float *qkv_bias;                  /* [Hq * D + 2 * Hkv * D] or NULL (Qwen2 has one) */
     const float *q_norm, *k_norm;           /* [D] or NULL (Qwen3's per-head RMSNorm) */
     float *k_cache, *v_cache;               /* [num_blocks * bs, Hkv, D] each */
@@ -416,12 +584,18 @@ typedef struct {
 typedef struct {
     long num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, max_position;
     long num_slots;                         /* num_blocks * block_size: each cache's rows */
-    long weight_dtype;                      /* WEIGHT_F32, WEIGHT_BF16 or WEIGHT_F16 */
+    long quant_max_tokens;                  /* the most tokens a step may have to read the GGUF blocks */
     float eps, scale;
     const float *final_norm;                /* [H] */
     const float *cos_sin;                   /* [max_position, 2, D]: cos, then sin with its first half negated */
     const StepLayer *layers;
 } StepModel;
+
+/* y = x @ w.T through the weight a step of M tokens reads; -1 when out of memory. */
+static int step_gemv(const StepModel *m, const Weight *w, const float *x, float *y, long M, long N, long K) {
+    const Weight *use = w[1].data && M <= m->quant_max_tokens ? &w[1] : &w[0];
+    return gemv_any(use->type, x, use->data, y, M, N, K);
+}
 
 /* Neox-style rotary on n heads of D at x: x * cos + rotate_half(x) * sin, with cs = [cos, signed sin]. */
 static void rotate_heads(float *x, long n, long D, const float *cs) {
@@ -459,7 +633,8 @@ static void silu_and_mul_f32(const float *gate_up, float *out, long T, long I) {
  * paged_decode_attention_f32 reads them. Slot -1 writes nothing. scratch: B * step_scratch_floats
  * floats. Returns 0, or before computing anything, for inputs that would read or write outside
  * the model's tables: -1 a position past the rotary table, -2 a slot past the cache, -3 a
- * length past the token's block-table row, -4 a block ID (of those the length reaches) past the cache. */
+ * length past the token's block-table row, -4 a block ID (of those the length reaches) past the
+ * cache; -5 (midway) when a quantized GEMV found no memory. */
 long step_scratch_floats(const StepModel *m) {
     const long D = m->head_dim;
     return 2 * m->hidden + (m->num_heads + 2 * m->num_kv_heads) * D + m->num_heads * D + 3 * m->intermediate;
@@ -482,7 +657,7 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *positions
     for (long l = 0; l < m->num_layers; l++) {
         const StepLayer *L = m->layers + l;
         rms_norm_f32(hidden, residual, L->input_norm, x, B, H, m->eps);  /* residual += mlp out */
-        gemv_any(m->weight_dtype, x, L->qkv, qkv, B, QKV, H);
+        if (step_gemv(m, L->qkv, x, qkv, B, QKV, H)) return -5;
         for (long t = 0; t < B; t++) {
             float *row = qkv + t * QKV;
             if (L->qkv_bias)
@@ -499,11 +674,11 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *positions
         }
         paged_decode_attention_f32(qkv, QKV, L->k_cache, L->v_cache, tables, seq_lens, attn,
                                    B, Hq, Hkv, D, m->block_size, W, m->scale);
-        gemv_any(m->weight_dtype, attn, L->o, hidden, B, H, Hq * D);
+        if (step_gemv(m, L->o, attn, hidden, B, H, Hq * D)) return -5;
         rms_norm_f32(hidden, residual, L->post_norm, x, B, H, m->eps);  /* residual += attention out */
-        gemv_any(m->weight_dtype, x, L->gate_up, gate_up, B, 2 * I, H);
+        if (step_gemv(m, L->gate_up, x, gate_up, B, 2 * I, H)) return -5;
         silu_and_mul_f32(gate_up, act, B, I);
-        gemv_any(m->weight_dtype, act, L->down, hidden, B, H, I);
+        if (step_gemv(m, L->down, act, hidden, B, H, I)) return -5;
     }
     rms_norm_f32(hidden, residual, m->final_norm, hidden, B, H, m->eps);
     return 0;
