@@ -15,6 +15,10 @@
  * project's AVX2 machine it still outruns torch's float32 GEMM up to ~100 vectors
  * (scripts/bench_gemv.py), so the runner uses it for steps of up to 96 tokens.
  *
+ * gemv_q4_0 / gemv_q4_1 / gemv_q8_0: the same product over GGUF's quantized blocks, taken in
+ * integers against the vectors scaled to int16 per block (see the section below), for the
+ * steps of one or two tokens of a model converted from GGUF (models/quantized.py).
+ *
  * rms_norm_f32: RMSNorm over rows of float32, optionally adding the residual first (in
  * place, like the Triton kernel): one call instead of the eight small torch ops it
  * takes in Python, each of which costs more in dispatch than the arithmetic.
