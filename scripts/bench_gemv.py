@@ -3,6 +3,8 @@
     python scripts/bench_gemv.py                       # SmolLM2-135M's shapes, bfloat16 copies
     python scripts/bench_gemv.py --rows 1,4,16,64,128 --layers 8
     python scripts/bench_gemv.py --quant q4_1 --rows 1,2,3,4,8   # GGUF blocks (head: Q8_0)
+    python scripts/bench_gemv.py --quant q4_k --hidden 2048 --intermediate 8192 --heads 32 \
+        --kv-heads 8 --vocab 128256 --layers 4                      # Llama-3.2-1B's shapes
 
 Every linear weight of the model (30 layers of fused QKV, O, gate/up and down, and the head)
 as random tensors; for each number of rows (tokens in the step), one pass over all of them
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from streamserve.models import cpu_kernels
+from streamserve.models.quantized import BLOCKS, QuantizedWeight
 
 
 def best_of(fn, repeats: int) -> float:
@@ -44,7 +47,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--quant", choices=["q4_0", "q4_1", "q8_0"], help="also time GGUF blocks of this type")
+    parser.add_argument("--quant", choices=list(BLOCKS), help="also time GGUF blocks of this type "
+                        "(random blocks; the K-quants need the model's dimensions to be multiples of 256)")
     parser.add_argument("--rows", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -64,11 +68,9 @@ def main() -> None:
     params = sum(w.numel() for w in half)
     quant = []
     if args.quant:
-        import gguf
-
         kinds = [args.quant] * (len(half) - 1) + ["q8_0"]
-        quant = [(kernels.quant_gemv[kind], torch.from_numpy(gguf.quants.quantize(
-                  w.numpy(), gguf.GGMLQuantizationType[kind.upper()]))) for kind, w in zip(kinds, full)]
+        quant = [(kernels.quant_gemv[kind], QuantizedWeight.random(kind, *w.shape, gen).blocks)
+                 for kind, w in zip(kinds, full)]
         print(f"GGUF blocks: {sum(b.numel() for _, b in quant) / 1e6:.0f} MB")
     print(f"{len(half)} weights, {weight_bytes / 1e6:.0f} MB in {args.dtype}, {torch.get_num_threads()} threads")
     print(f"{'rows':>5} {'kernel':>10} {'GB/s':>6} {'GFLOP/s':>8} {'F.linear fp32':>14} {'ratio':>6}"

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 
 import torch
 
-from streamserve.models.quantized import BLOCK_BYTES
+from streamserve.models.quantized import BLOCKS
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def _build(compiler: str) -> str:
 class CpuKernels:
     """gemv[dtype](x [M, K] float32, w [N, K] dtype) -> [M, N] float32, for bfloat16,
     float16 and float32 weights; quant_gemv[kind](x, blocks) likewise for a QuantizedWeight's
-    blocks (models/quantized.py: "q4_0", "q4_1", "q8_0"); rms_norm / fused_add_rms_norm with streamserve_kernels.norm's
+    blocks (models/quantized.py: "q4_0", "q4_1", "q8_0", "q4_k"); rms_norm / fused_add_rms_norm with streamserve_kernels.norm's
     interface (float32, [T, H] contiguous), so RMSNorm takes either as its `kernels`;
     paged_decode_attention for TorchPagedAttention's decode rows (float32)."""
 
@@ -91,11 +91,11 @@ class CpuKernels:
             fn.restype = None
             self.gemv[dtype] = _wrap_gemv(fn)
         self.quant_gemv: dict[str, Gemv] = {}
-        for kind in BLOCK_BYTES:
+        for kind in BLOCKS:
             fn = getattr(lib, f"gemv_{kind}")
             fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
             fn.restype = ctypes.c_int
-            self.quant_gemv[kind] = _wrap_quant_gemv(fn, BLOCK_BYTES[kind])
+            self.quant_gemv[kind] = _wrap_quant_gemv(fn, *BLOCKS[kind])
         self._norm = lib.rms_norm_f32
         self._norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
         self._norm.restype = None
@@ -181,15 +181,15 @@ def _wrap_gemv(fn) -> Gemv:
     return gemv
 
 
-def _wrap_quant_gemv(fn, block_bytes: int) -> Gemv:
+def _wrap_quant_gemv(fn, block_weights: int, block_bytes: int) -> Gemv:
     def gemv(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         (m, k), n = x.shape, blocks.shape[0]
-        if (x.dtype != torch.float32 or k % 32 or blocks.dtype != torch.uint8 or not blocks.is_contiguous()
-                or blocks.shape[1] != k // 32 * block_bytes):
-            raise ValueError(f"the quantized GEMV takes float32 x [M, K] (K a multiple of 32) and contiguous "
-                             f"uint8 blocks [N, K / 32 * {block_bytes}]; got x {x.dtype} {tuple(x.shape)}, "
-                             f"blocks {blocks.dtype} {tuple(blocks.shape)}")
+        if (x.dtype != torch.float32 or k % block_weights or blocks.dtype != torch.uint8
+                or not blocks.is_contiguous() or blocks.shape[1] != k // block_weights * block_bytes):
+            raise ValueError(f"the quantized GEMV takes float32 x [M, K] (K a multiple of {block_weights}) and "
+                             f"contiguous uint8 blocks [N, K / {block_weights} * {block_bytes}]; got x {x.dtype} "
+                             f"{tuple(x.shape)}, blocks {blocks.dtype} {tuple(blocks.shape)}")
         y = torch.empty(m, n)
         if fn(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, n, k):
             raise MemoryError("the quantized GEMV found no memory for its int16 activations")
@@ -201,7 +201,7 @@ def _wrap_quant_gemv(fn, block_bytes: int) -> Gemv:
 
 # the C side's WEIGHT_* codes
 _WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_QUANT_KINDS = {"q4_0": 3, "q4_1": 4, "q8_0": 5}
+_QUANT_KINDS = {"q4_0": 3, "q4_1": 4, "q8_0": 5, "q4_k": 6}
 
 
 class _Weight(ctypes.Structure):

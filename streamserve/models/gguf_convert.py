@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from streamserve.models.quantized import BLOCK_BYTES, BLOCKS_FILE, QuantizedWeight, save_blocks
+from streamserve.models.quantized import BLOCKS, BLOCKS_FILE, QuantizedWeight, save_blocks
 
 # GGUF architecture -> (Hugging Face architecture, model_type, Q/K rows permuted by llama.cpp)
 ARCHS = {
@@ -141,7 +141,7 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.bfloat
         array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
         tensors[name] = torch.from_numpy(np.require(unpermuted(array), np.float32, ["C", "W"])).to(dtype)
         kind = t.tensor_type.name.lower()
-        if kind in BLOCK_BYTES and array.ndim == 2:  # kept as they are too, whole rows moved
+        if kind in BLOCKS and array.ndim == 2:  # kept as they are too, whole rows moved
             rows = np.array(unpermuted(np.asarray(t.data).reshape(array.shape[0], -1)))
             blocks[name] = QuantizedWeight(kind, torch.from_numpy(rows))
     save_file(tensors, os.path.join(tmp_dir, "model.safetensors"), metadata={"format": "pt"})

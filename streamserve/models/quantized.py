@@ -3,8 +3,8 @@
 A GGUF file is converted once into a Hugging Face directory (gguf_convert.py), with its
 weights dequantized; that is what transformers reads and what most steps compute with.
 But a step of a token or two is bound by reading the weights, and GGUF's blocks are 2-3.5x
-smaller than even bfloat16 copies: the conversion also keeps the Q4_0, Q4_1 and Q8_0
-matrices' blocks as they are (BLOCKS_FILE, beside the weights; other types have only the
+smaller than even bfloat16 copies: the conversion also keeps the Q4_0, Q4_1, Q8_0 and
+Q4_K matrices' blocks as they are (BLOCKS_FILE, beside the weights; other types have only the
 dequantized path), and for those steps the CPU kernels read them: the weights' exact
 values, against activations rounded to int16 per block of 32 (csrc/cpu_kernels.c).
 """
@@ -18,14 +18,16 @@ from typing import Optional
 
 import torch
 
-# GGUF block type -> bytes per block of 32 weights (the kernels' layout is GGUF's own)
-BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+# GGUF block type -> (weights, bytes) a block (the kernels read GGUF's own layout)
+BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_k": (256, 144)}
+# where each type's blocks keep their float16 scales (d, and Q4_1's m or Q4_K's dmin)
+_SCALE_OFFSETS = {"q4_0": [0], "q4_1": [0, 2], "q8_0": [0], "q4_k": [0, 2]}
 BLOCKS_FILE = "gguf-blocks.safetensors"
 
 
 @dataclass
 class QuantizedWeight:
-    """A [rows, cols] weight as GGUF blocks: uint8 [rows, cols / 32 * BLOCK_BYTES[kind]]."""
+    """A [rows, cols] weight as GGUF blocks: uint8 [rows, cols / weights * bytes] (BLOCKS[kind])."""
 
     kind: str
     blocks: torch.Tensor
@@ -33,7 +35,8 @@ class QuantizedWeight:
     @property
     def shape(self) -> tuple[int, int]:
         rows, row_bytes = self.blocks.shape
-        return rows, row_bytes // BLOCK_BYTES[self.kind] * 32
+        weights, size = BLOCKS[self.kind]
+        return rows, row_bytes // size * weights
 
     @staticmethod
     def stacked(parts: list["QuantizedWeight"]) -> Optional["QuantizedWeight"]:
@@ -41,6 +44,17 @@ class QuantizedWeight:
         if len({p.kind for p in parts}) != 1 or len({p.blocks.shape[1] for p in parts}) != 1:
             return None
         return QuantizedWeight(parts[0].kind, torch.cat([p.blocks for p in parts]).contiguous())
+
+    @staticmethod
+    def random(kind: str, rows: int, cols: int, generator: torch.Generator) -> "QuantizedWeight":
+        """Random blocks (for tests and benchmarks): any bytes, but float16 scales of +-0.001 to 0.1."""
+        weights, size = BLOCKS[kind]
+        blocks = torch.randint(0, 256, (rows, cols // weights, size), dtype=torch.uint8, generator=generator)
+        for offset in _SCALE_OFFSETS[kind]:
+            scale = torch.empty(rows, cols // weights).uniform_(0.001, 0.1, generator=generator)
+            scale *= torch.randint(0, 2, scale.shape, generator=generator) * 2 - 1
+            blocks[:, :, offset:offset + 2] = scale.half().view(torch.uint8).reshape(rows, cols // weights, 2)
+        return QuantizedWeight(kind, blocks.reshape(rows, -1).contiguous())
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight (the reference the kernels are tested against)."""

@@ -162,7 +162,7 @@ class ModelRunner:
             self.low_precision_max_tokens = max(self.low_precision_max_tokens, self.quant_max_tokens)
         total = sum(isinstance(m, Linear) for m in self.model.modules())
         logger.info("steps of at most %d tokens read the GGUF's quantized blocks of %d of %d linear layers "
-                    "(Q4_0, Q4_1 and Q8_0 tensors)", self.quant_max_tokens, len(kept), total)
+                    "(Q4_0, Q4_1, Q8_0 and Q4_K tensors)", self.quant_max_tokens, len(kept), total)
 
     # -- sizing ------------------------------------------------------------------
 

@@ -81,21 +81,48 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32) ->
     writer.close()
 
 
+def quantize_q4_k(w: np.ndarray) -> np.ndarray:
+    """[rows, k] float32 -> Q4_K blocks [rows, k / 256 * 144] (the gguf package writes no
+    K-quants): per sub-block of 32, its range over 15 steps, the steps and minima as 6-bit
+    multiples of the block's float16 d and dmin."""
+    rows, k = w.shape
+    sub = w.reshape(rows, k // 256, 8, 32).astype(np.float32)
+    low, high = np.minimum(sub.min(-1), 0), sub.max(-1)
+    step, minimum = (high - low) / 15, -low
+    d = np.maximum(step.max(-1, keepdims=True) / 63, 1e-4).astype(np.float16)
+    dmin = np.maximum(minimum.max(-1, keepdims=True) / 63, 1e-4).astype(np.float16)
+    sc = np.clip(np.round(step / d.astype(np.float32)), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(minimum / dmin.astype(np.float32)), 0, 63).astype(np.uint8)
+    scale = (d.astype(np.float32) * sc)[..., None]
+    q = np.clip(np.round((sub + (dmin.astype(np.float32) * mn)[..., None]) / scale), 0, 15).astype(np.uint8)
+    packed = np.empty((rows, k // 256, 12), np.uint8)  # as llama.cpp's get_scale_min_k4 reads them
+    packed[..., 0:4] = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    packed[..., 4:8] = mn[..., :4] | ((mn[..., 4:] >> 4) << 6)
+    packed[..., 8:12] = (sc[..., 4:] & 0xF) | ((mn[..., 4:] & 0xF) << 4)
+    pairs = q.reshape(rows, k // 256, 4, 2, 32)  # sub-blocks 2j, 2j + 1: low and high nibbles
+    qs = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).reshape(rows, k // 256, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(rows, -1, 2), dmin.view(np.uint8).reshape(rows, -1, 2),
+                             packed, qs], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
 def add(writer, name: str, w: np.ndarray, qtype) -> None:
     w = w.astype(np.float32)
     if qtype == Q.F16:
         writer.add_tensor(name, w.astype(np.float16))
     elif qtype == Q.F32:
         writer.add_tensor(name, w)
+    elif qtype == Q.Q4_K:
+        writer.add_tensor(name, quantize_q4_k(w), raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
 
 
-def tiny_gguf(root, **kwargs) -> str:
+def tiny_gguf(root, hidden_size: int = 64, intermediate_size: int = 128, **kwargs) -> str:
     from tiny_models import build_model
 
     hf_dir = build_model(str(root / "hf"), "llama", seed=7, tie_word_embeddings=True,
-                         rope_scaling=None, hidden_size=64, intermediate_size=128)
+                         rope_scaling=None, hidden_size=hidden_size, intermediate_size=intermediate_size)
     path = str(root / "tiny-llama.gguf")
     write_gguf(hf_dir, path, **kwargs)
     return path
@@ -109,6 +136,19 @@ def gguf_path(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def q4_1_path(tmp_path_factory) -> str:
     return tiny_gguf(tmp_path_factory.mktemp("gguf-q4_1"), types=_LIKE_DEFAULT, embedding=Q.Q8_0)
+
+
+@pytest.fixture(scope="module")
+def q4_k_path(tmp_path_factory) -> str:  # K-quants need rows of a multiple of 256 weights
+    types = {piece: (cpp, Q.F32 if "norm" in piece else Q.Q4_K) for piece, (cpp, _) in _NAMES.items()}
+    return tiny_gguf(tmp_path_factory.mktemp("gguf-q4_k"), hidden_size=256, intermediate_size=512,
+                     types=types, embedding=Q.Q4_K)
+
+
+def test_q4_k_writer_round_trips():
+    w = np.random.default_rng(0).standard_normal((3, 512)).astype(np.float32)
+    back = gguf.quants.dequantize(quantize_q4_k(w), Q.Q4_K).reshape(w.shape)
+    assert np.abs(back - w).max() < 0.2 * np.abs(w).max()  # 4 bits: within a step or so
 
 
 @pytest.fixture(autouse=True)
@@ -143,21 +183,23 @@ def test_greedy_tokens_match_transformers_on_the_same_gguf(gguf_path):
     greedy_against_transformers(gguf_path, LLM(gguf_path, dtype="float32", kv_cache_memory="16MiB"))
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])  # the one-call C step, and op by op
-def test_small_steps_read_the_quantized_blocks(q4_1_path, enforce_eager):
+@pytest.mark.parametrize("kinds,enforce_eager", [(("q4_1", "q8_0"), False), (("q4_1", "q8_0"), True),
+                                                 (("q4_k", "q4_k"), False)])  # the one-call C step, and op by op
+def test_small_steps_read_the_quantized_blocks(kinds, enforce_eager, request):
     from streamserve.models import cpu_kernels
     from streamserve.models.layers import Linear
 
     if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels do not build here")
+    path = request.getfixturevalue(f"{kinds[0]}_path")
     # one sequence at a time: every decode step is a single token, which reads the blocks
-    llm = LLM(q4_1_path, dtype="float32", kv_cache_memory="16MiB", enforce_eager=enforce_eager, max_num_seqs=1)
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", enforce_eager=enforce_eager, max_num_seqs=1)
     runner = llm.engine_core.model_runner
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    assert {(m.quantized.kind if m.quantized else None) for m in linears if m is not runner.model.lm_head} == {"q4_1"}
-    assert runner.model.lm_head.quantized.kind == "q8_0"  # the tied embedding's blocks
+    assert {(m.quantized.kind if m.quantized else None) for m in linears if m is not runner.model.lm_head} == {kinds[0]}
+    assert runner.model.lm_head.quantized.kind == kinds[1]  # the tied embedding's blocks
     assert (runner.c_step is None) == enforce_eager
-    greedy_against_transformers(q4_1_path, llm)
+    greedy_against_transformers(path, llm)
 
 
 def test_directory_plus_file_name_and_chat_template(gguf_path):
