@@ -545,7 +545,11 @@ void paged_decode_attention_f32(const float *q, long q_row_stride, const float *
     long chunks = 1;
     if (B < 8 * threads) {  /* aim at 8 tasks a thread, for balance */
         chunks = (8 * threads + B - 1) / B;
-        const long by_length = (max_len + 4 * ATTN_TILE - 1) / (4 * ATTN_TILE);  /* >= 256 keys a chunk */
+        /* chunks of >= 256 keys, but one for every thread down to 64 keys each (one sequence of
+         * 100-256 keys: 1.2-1.45x) */
+        const long coarse = (max_len + 4 * ATTN_TILE - 1) / (4 * ATTN_TILE);
+        const long fine = (max_len + ATTN_TILE - 1) / ATTN_TILE, even = fine < threads ? fine : threads;
+        const long by_length = coarse > even ? coarse : even;
         chunks = chunks < by_length ? chunks : by_length;
         chunks = chunks > 1 ? chunks : 1;
     }
