@@ -1,6 +1,7 @@
 """The CPU path's C kernels (csrc/cpu_kernels.c): the small-step GEMV over half-size
-weights and over GGUF's quantized blocks, RMSNorm (with the residual add) in one call, decode attention read straight
-from the paged KV cache, and a whole small step of the model in one call (`StepForward`).
+weights and over GGUF's quantized blocks, RMSNorm (with the residual add) in one call,
+decode attention read straight from the paged KV cache, and a whole small step of the
+model in one call (`StepForward`).
 
 Built once per machine with the system C compiler into `$STREAMSERVE_CACHE/kernels`
 (a second or two), then loaded with ctypes, which releases the GIL during each call.
@@ -77,8 +78,9 @@ def _build(compiler: str) -> str:
 class CpuKernels:
     """gemv[dtype](x [M, K] float32, w [N, K] dtype) -> [M, N] float32, for bfloat16,
     float16 and float32 weights; quant_gemv[kind](x, blocks) likewise for a QuantizedWeight's
-    blocks (models/quantized.py: "q4_0", "q4_1", "q8_0", "q4_k"); rms_norm / fused_add_rms_norm with streamserve_kernels.norm's
-    interface (float32, [T, H] contiguous), so RMSNorm takes either as its `kernels`;
+    blocks (models/quantized.py: BLOCKS); rms_norm / fused_add_rms_norm with
+    streamserve_kernels.norm's interface (float32, [T, H] contiguous), so RMSNorm takes either
+    as its `kernels`;
     paged_decode_attention for TorchPagedAttention's decode rows (float32)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:

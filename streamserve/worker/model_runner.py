@@ -20,7 +20,7 @@ from streamserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutp
 from streamserve.models import cpu_kernels
 from streamserve.models.layers import Linear
 from streamserve.models.loader import load_model
-from streamserve.models.quantized import read_quantized
+from streamserve.models.quantized import BLOCKS, read_quantized
 from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
 from streamserve.worker.block_table import BlockTable
 from streamserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -162,7 +162,8 @@ class ModelRunner:
             self.low_precision_max_tokens = max(self.low_precision_max_tokens, self.quant_max_tokens)
         total = sum(isinstance(m, Linear) for m in self.model.modules())
         logger.info("steps of at most %d tokens read the GGUF's quantized blocks of %d of %d linear layers "
-                    "(Q4_0, Q4_1, Q8_0 and Q4_K tensors)", self.quant_max_tokens, len(kept), total)
+                    "(those of %s tensors)", self.quant_max_tokens, len(kept), total,
+                    ", ".join(kind.upper() for kind in BLOCKS))
 
     # -- sizing ------------------------------------------------------------------
 

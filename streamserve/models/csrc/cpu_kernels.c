@@ -98,24 +98,27 @@ static inline float hsum(__m256 v) {
     }
 
 /* y = x @ w.T over rows [n, n + NR) of w for all M vectors: four at a time, then the rest.
- * STRIDE(K): how many T a row of w takes (K elements, or K / 32 blocks). */
-#define DEFINE_ROWS(NAME, T, TILE, STRIDE)                                                        \
+ * X: what the tiles read the vectors from (XT; XAT(x, m0, K): from vector m0 on); STRIDE(K):
+ * how many T a row of w takes (K elements, or K / 32 blocks). */
+#define DEFINE_ROWS(NAME, XT, XAT, T, TILE, STRIDE)                                               \
     static inline __attribute__((always_inline)) void NAME(                                       \
-        const float *x, const T *wr, float *y, long M, long N, long K, long n, const int NR) {     \
+        XT x, const T *wr, float *y, long M, long N, long K, long n, const int NR) {              \
         const char *ahead = (const char *)(wr + 2 * NR * STRIDE(K));  /* two tiles on: a hint, never faults */ \
-        long m0 = 0;                                                                              \
-        for (; m0 + 4 <= M; m0 += 4) TILE(x + m0 * K, wr, y + m0 * N + n, K, N, 4, NR, m0 ? 0 : ahead); \
-        switch (M - m0) {                                                                         \
-        case 3: TILE(x + m0 * K, wr, y + m0 * N + n, K, N, 3, NR, m0 ? 0 : ahead); break;         \
-        case 2: TILE(x + m0 * K, wr, y + m0 * N + n, K, N, 2, NR, m0 ? 0 : ahead); break;         \
-        case 1: TILE(x + m0 * K, wr, y + m0 * N + n, K, N, 1, NR, m0 ? 0 : ahead); break;         \
+        for (long m0 = 0; m0 < M; m0 += 4) {                                                      \
+            const char *hint = m0 ? 0 : ahead;  /* the first pass over the rows brings them in */ \
+            switch (M - m0 < 4 ? M - m0 : 4) {                                                    \
+            case 4: TILE(XAT(x, m0, K), wr, y + m0 * N + n, K, N, 4, NR, hint); break;            \
+            case 3: TILE(XAT(x, m0, K), wr, y + m0 * N + n, K, N, 3, NR, hint); break;            \
+            case 2: TILE(XAT(x, m0, K), wr, y + m0 * N + n, K, N, 2, NR, hint); break;            \
+            case 1: TILE(XAT(x, m0, K), wr, y + m0 * N + n, K, N, 1, NR, hint); break;            \
+            }                                                                                     \
         }                                                                                         \
     }
 
 /* Rows of w in threes across the OpenMP threads (the same runtime torch uses), then the one or two left. */
-#define DEFINE_GEMV_OF(NAME, T, TILE, STRIDE)                                                     \
-    DEFINE_ROWS(NAME##_rows, T, TILE, STRIDE)                                                     \
-    void NAME(const float *x, const T *w, float *y, long M, long N, long K) {                      \
+#define DEFINE_GEMV_OF(NAME, XT, XAT, T, TILE, STRIDE)                                            \
+    DEFINE_ROWS(NAME##_rows, XT, XAT, T, TILE, STRIDE)                                            \
+    void NAME(XT x, const T *w, float *y, long M, long N, long K) {                               \
         const long S = STRIDE(K);                                                                 \
         _Pragma("omp parallel for schedule(static)")                                              \
         for (long p = 0; p < N / 3; p++) NAME##_rows(x, w + 3 * p * S, y, M, N, K, 3 * p, 3);     \
@@ -124,9 +127,10 @@ static inline float hsum(__m256 v) {
     }
 
 #define ELEMENTS(K) (K)
+#define FLOAT_ROWS(x, m0, K) ((x) + (m0) * (K))
 #define DEFINE_GEMV(NAME, T, WIDEN, SCALAR)                                                       \
     DEFINE_TILE(NAME##_tile, T, WIDEN, SCALAR)                                                    \
-    DEFINE_GEMV_OF(NAME, T, NAME##_tile, ELEMENTS)
+    DEFINE_GEMV_OF(NAME, const float *, FLOAT_ROWS, T, NAME##_tile, ELEMENTS)
 
 DEFINE_GEMV(gemv_bf16, uint16_t, widen_bf16, scalar_bf16)
 DEFINE_GEMV(gemv_f16, uint16_t, widen_f16, scalar_f16)
@@ -146,8 +150,9 @@ DEFINE_GEMV(gemv_f32, float, _mm256_loadu_ps, (float))
  * split into blocks of 32 and each block scaled to int16 (x ~ sx * x16, |x16| <= 32767: a
  * relative error of 2^-16 of the block's largest value, far below bfloat16's 2^-9), and
  * _mm256_madd_epi16 multiplies 16 weights by 16 activations and adds them in pairs, exactly.
- * Per sub-block of 32, scale * sx * sum(q * x16) and the minimum's share, m * sx * sum(x16) (Q4_0: m = -8d), go into float32
- * accumulators: the result is that of the exact weights with x as int16. */
+ * Per sub-block of 32, scale * sx * sum(q * x16) and the minimum's share, m * sx * sum(x16)
+ * (Q4_0: m = -8d), go into float32 accumulators: the result is that of the exact weights with
+ * x as int16. */
 typedef struct { uint16_t d; uint8_t qs[16]; } BlockQ4_0;
 typedef struct { uint16_t d, m; uint8_t qs[16]; } BlockQ4_1;
 typedef struct { uint16_t d; int8_t qs[32]; } BlockQ8_0;
@@ -290,39 +295,25 @@ static inline void widen_q4_k(const BlockQ4_K *b, int s, __m256i *lo, __m256i *h
             for (int r = 0; r < NR; r++) yb[m * N + r] = hsum(acc[m][r]) + low[m][r];             \
     }
 
-/* y = x @ w.T over rows [n, n + NR) of w for all M vectors: four at a time, then the rest. */
-#define DEFINE_QROWS(NAME, BLOCK, SUB, TILE)                                                      \
-    static inline __attribute__((always_inline)) void NAME(                                       \
-        const QuantX *qx, const BLOCK *wr, float *y, long M, long N, long K, long n, const int NR) { \
-        const char *ahead = (const char *)(wr + 2 * NR * (K / (32 * SUB)));                       \
-        const long nx = K / 32;                                                                   \
-        for (long m0 = 0; m0 < M; m0 += 4) {                                                      \
-            const QuantX sub = {qx->x16 + m0 * K, qx->sx + m0 * nx, qx->xsum + m0 * nx};          \
-            switch (M - m0 < 4 ? M - m0 : 4) {                                                    \
-            case 4: TILE(&sub, wr, y + m0 * N + n, K, N, 4, NR, m0 ? 0 : ahead); break;           \
-            case 3: TILE(&sub, wr, y + m0 * N + n, K, N, 3, NR, m0 ? 0 : ahead); break;           \
-            case 2: TILE(&sub, wr, y + m0 * N + n, K, N, 2, NR, m0 ? 0 : ahead); break;           \
-            case 1: TILE(&sub, wr, y + m0 * N + n, K, N, 1, NR, m0 ? 0 : ahead); break;           \
-            }                                                                                     \
-        }                                                                                         \
-    }
+/* The quantized vectors from vector m0 on (a compound literal: it lives in the caller's block). */
+#define QUANT_ROWS(x, m0, K)                                                                      \
+    (&(const QuantX){(x)->x16 + (m0) * (K), (x)->sx + (m0) * ((K) / 32), (x)->xsum + (m0) * ((K) / 32)})
 
 /* Returns 0, or -1 when there is no memory for the int16 activations. K: a multiple of the
- * block's weights (32, or 256 for the K-quants). */
+ * block's weights (32, or 256 for Q4_K). */
 #define DEFINE_QGEMV(NAME, BLOCK, SUB, SCALES, WIDEN, HAS_MINIMUM)                                \
     DEFINE_QTILE(NAME##_tile, BLOCK, SUB, SCALES, WIDEN, HAS_MINIMUM)                             \
-    DEFINE_QROWS(NAME##_rows, BLOCK, SUB, NAME##_tile)                                            \
+    DEFINE_GEMV_OF(NAME##_quantized, const QuantX *, QUANT_ROWS, BLOCK, NAME##_tile, BLOCKS_OF_##SUB) \
     int NAME(const float *x, const BLOCK *w, float *y, long M, long N, long K) {                  \
         QuantX qx;                                                                                \
         if (quantize_x(x, M, K, &qx)) return -1;                                                  \
-        const long S = K / (32 * SUB);                                                            \
-        _Pragma("omp parallel for schedule(static)")                                              \
-        for (long p = 0; p < N / 3; p++) NAME##_rows(&qx, w + 3 * p * S, y, M, N, K, 3 * p, 3);   \
-        if (N % 3 == 2) NAME##_rows(&qx, w + (N - 2) * S, y, M, N, K, N - 2, 2);                  \
-        if (N % 3 == 1) NAME##_rows(&qx, w + (N - 1) * S, y, M, N, K, N - 1, 1);                  \
+        NAME##_quantized(&qx, w, y, M, N, K);                                                     \
         free(qx.x16);                                                                             \
         return 0;                                                                                 \
     }
+
+#define BLOCKS_OF_1(K) ((K) / 32)
+#define BLOCKS_OF_8(K) ((K) / 256)
 
 DEFINE_QGEMV(gemv_q4_0, BlockQ4_0, 1, scales_q4_0, widen_q4_0, 1)
 DEFINE_QGEMV(gemv_q4_1, BlockQ4_1, 1, scales_q4_1, widen_q4_1, 1)
