@@ -30,8 +30,9 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-# As the default model (SmolLM2-135M-Instruct.Q4_1.gguf) is stored: Q4_1 layers, a Q8_0 embedding.
-_LIKE_DEFAULT = {piece: (cpp, Q.F32 if "norm" in piece else Q.Q4_1) for piece, (cpp, _) in _NAMES.items()}
+def every_matrix(qtype) -> dict:
+    """_NAMES with every layer matrix stored as `qtype` (the norms stay F32)."""
+    return {piece: (cpp, Q.F32 if "norm" in piece else qtype) for piece, (cpp, _) in _NAMES.items()}
 
 
 def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32) -> None:
@@ -135,14 +136,14 @@ def gguf_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def q4_1_path(tmp_path_factory) -> str:
-    return tiny_gguf(tmp_path_factory.mktemp("gguf-q4_1"), types=_LIKE_DEFAULT, embedding=Q.Q8_0)
+    # as the default model (SmolLM2-135M-Instruct.Q4_1.gguf) is stored: Q4_1 layers, a Q8_0 embedding
+    return tiny_gguf(tmp_path_factory.mktemp("gguf-q4_1"), types=every_matrix(Q.Q4_1), embedding=Q.Q8_0)
 
 
 @pytest.fixture(scope="module")
 def q4_k_path(tmp_path_factory) -> str:  # K-quants need rows of a multiple of 256 weights
-    types = {piece: (cpp, Q.F32 if "norm" in piece else Q.Q4_K) for piece, (cpp, _) in _NAMES.items()}
     return tiny_gguf(tmp_path_factory.mktemp("gguf-q4_k"), hidden_size=256, intermediate_size=512,
-                     types=types, embedding=Q.Q4_K)
+                     types=every_matrix(Q.Q4_K), embedding=Q.Q4_K)
 
 
 def test_q4_k_writer_round_trips():
