@@ -222,3 +222,20 @@ def test_conversion_happens_once(gguf_path):
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
     bf16 = resolve_model(gguf_path, None, torch.bfloat16)
     assert bf16 != first and json.load(open(os.path.join(bf16, "config.json")))["torch_dtype"] == "bfloat16"
+
+
+def test_conversion_keeps_the_blocks_as_they_are(gguf_path):
+    """The Q4_0 / Q4_1 / Q8_0 matrices' blocks, byte for byte, beside the dequantized weights
+    (which they decode to), with the Q/K permutation undone; F16 / BF16 / F32 tensors have none."""
+    from safetensors.torch import load_file
+
+    from streamserve.models.quantized import read_quantized
+    from streamserve.models.resolve import resolve_model
+
+    folder = resolve_model(gguf_path, None, torch.float32)
+    blocks, weights = read_quantized(folder), load_file(os.path.join(folder, "model.safetensors"))
+    kinds = {name.split(".", 3)[3]: w.kind for name, w in blocks.items() if name.startswith("model.layers.0.")}
+    assert kinds == {"self_attn.q_proj.weight": "q8_0", "self_attn.v_proj.weight": "q4_0",
+                     "self_attn.o_proj.weight": "q4_1", "mlp.up_proj.weight": "q8_0"}
+    for name, w in blocks.items():
+        assert torch.equal(w.dequantize(), weights[name]), name
