@@ -267,7 +267,8 @@ class ModelRunner:
         return ModelRunnerOutput([s.req_id for s in samplers], tokens, logprobs)
 
     def _reads_copies(self, rows: int) -> bool:
-        """Whether GEMMs over this many rows read the half-size weight copies."""
+        """Whether GEMMs over this many rows read the compact weights: the half-size copies, or a
+        GGUF model's blocks (each Linear takes those up to its quant_max_rows)."""
         return self.half_gemms or rows <= self.low_precision_max_tokens
 
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -17,7 +17,7 @@
  *
  * gemv_q4_0 / q4_1 / q8_0 / q4_k: the same product over GGUF's quantized blocks, taken in
  * integers against the vectors scaled to int16 per block (see the section below), for the
- * steps of one or two tokens of a model converted from GGUF (models/quantized.py).
+ * smallest steps of a model converted from GGUF (models/quantized.py).
  *
  * rms_norm_f32: RMSNorm over rows of float32, optionally adding the residual first (in
  * place, like the Triton kernel): one call instead of the eight small torch ops it
@@ -678,6 +678,12 @@ static void silu_and_mul_f32(const float *gate_up, float *out, long T, long I) {
     }
 }
 
+/* The floats of scratch step_forward_f32 takes per token. */
+long step_scratch_floats(const StepModel *m) {
+    const long D = m->head_dim;
+    return 2 * m->hidden + (m->num_heads + 2 * m->num_kv_heads) * D + m->num_heads * D + 3 * m->intermediate;
+}
+
 /* hidden [B, H]: the B tokens' embeddings in, the final norm's output out. positions, slots,
  * seq_lens [B] and tables [B, W] per token: its sequence's block table and position + 1, as
  * paged_decode_attention_f32 reads them. Slot -1 writes nothing. scratch: B * step_scratch_floats
@@ -685,11 +691,6 @@ static void silu_and_mul_f32(const float *gate_up, float *out, long T, long I) {
  * the model's tables: -1 a position past the rotary table, -2 a slot past the cache, -3 a
  * length past the token's block-table row, -4 a block ID (of those the length reaches) past the
  * cache; -5 (midway) when a quantized GEMV found no memory. */
-long step_scratch_floats(const StepModel *m) {
-    const long D = m->head_dim;
-    return 2 * m->hidden + (m->num_heads + 2 * m->num_kv_heads) * D + m->num_heads * D + 3 * m->intermediate;
-}
-
 int step_forward_f32(const StepModel *m, float *hidden, const int64_t *positions, const int64_t *slots,
                      const int64_t *tables, const int64_t *seq_lens, long B, long W, float *scratch) {
     const long H = m->hidden, I = m->intermediate, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
