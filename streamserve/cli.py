@@ -105,11 +105,11 @@ async def _serve(server: ServerConfig, model_name: str, make_config) -> int:
     from aiohttp import web
 
     from streamserve.frontend.async_engine import AsyncEngine, EngineDeadError
-    from streamserve.server.app import build_app
+    from streamserve.server.app import app_runner
 
     log = logging.getLogger("streamserve")
     engine = AsyncEngine(make_config)
-    runner = web.AppRunner(build_app(engine, server, model_name))
+    runner = app_runner(engine, server, model_name)
     await runner.setup()
     try:
         await web.TCPSite(runner, server.host, server.port).start()

@@ -14,6 +14,7 @@ class Logprob:
     logprob: float
     rank: int
     decoded_token: Optional[str] = None
+    token_bytes: Optional[bytes] = None  # its bytes: a piece of a character's UTF-8 decodes to U+FFFD
 
 
 @dataclass

@@ -40,6 +40,8 @@ class SamplingParams:
     def _validate(self) -> None:
         checks = [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 64),
+             f"seed must be in [-2^63, 2^64) (a 64-bit integer), got {self.seed}"),
             (-2.0 <= self.presence_penalty <= 2.0,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0,

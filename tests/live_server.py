@@ -6,14 +6,14 @@ from aiohttp import web
 
 from streamserve.config import Config
 from streamserve.frontend.async_engine import AsyncEngine
-from streamserve.server.app import build_app
+from streamserve.server.app import app_runner
 
 
 async def start(model_dir: str, **settings) -> tuple[web.AppRunner, AsyncEngine, str]:
     """(runner, engine, base URL) of a ready server; `await runner.cleanup()` stops it."""
     config = Config.from_kwargs(model=model_dir, dtype="float32", kv_cache_memory="32MiB", **settings)
     engine = AsyncEngine(config)
-    runner = web.AppRunner(build_app(engine, config.server, config.served_model_name))
+    runner = app_runner(engine, config.server, config.served_model_name)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -8,6 +8,15 @@ from streamserve.engine.scheduler import Scheduler
 from streamserve.worker.model_runner import ModelRunner
 
 
+class StepFailed(RuntimeError):
+    """A step raised (its cause is __cause__): its requests, `request_ids`, were aborted; the
+    others, waiting or not scheduled in it, go on."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"a step of {len(request_ids)} requests failed")
+        self.request_ids = request_ids
+
+
 class EngineCore:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -23,6 +32,14 @@ class EngineCore:
         validate_prompt(request.prompt_token_ids, request.sampling_params,
                         self.config.model.max_model_len, self.vocab_size)
 
+    def fail(self, request_ids: list[str]) -> list[str]:
+        """Abort the requests of a step that raised (returned). Scheduling registered the step's
+        full blocks for the prefix cache before their KV was written: none may be served, so
+        every cached block is forgotten (a failed step is rare enough)."""
+        self.abort_requests(request_ids)
+        self.scheduler.kv_cache_manager.reset_prefix_cache()
+        return request_ids
+
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.scheduler.abort_request(request_id)
@@ -33,6 +50,16 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if not self.scheduler.has_unfinished_requests():
             return []
-        scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        scheduler_output = None
+        try:
+            scheduler_output = self.scheduler.schedule()
+            runner_output = self.model_runner.execute_model(scheduler_output)
+            return self.scheduler.update_from_output(scheduler_output, runner_output)
+        except BaseException as exc:  # an error, or Ctrl-C in LLM.generate
+            # The step's requests are half-run, with no consistent state to resume from
+            # (all of them where scheduling itself failed).
+            failed = self.fail(list(scheduler_output.num_scheduled_tokens if scheduler_output is not None
+                                    else self.scheduler.requests))
+            if isinstance(exc, Exception):
+                raise StepFailed(failed) from exc
+            raise

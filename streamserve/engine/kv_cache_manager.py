@@ -70,8 +70,12 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def reset_prefix_cache(self) -> None:
+        """Serve no block from the cache again (its hash forgotten); blocks stay where they are."""
+        self.block_pool.reset_prefix_cache()
+
     def record_prefix_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
-        """Count a lookup whose request was admitted (retries are not counted)."""
+        """Count a request's lookup at its first admission (not retries, not returns from preemption)."""
         if self.enable_caching:
             self.block_pool.prefix_cache_queries += num_query_tokens
             self.block_pool.prefix_cache_hits += num_hit_tokens

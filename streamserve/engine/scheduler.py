@@ -110,10 +110,10 @@ class Scheduler:
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
-            if request.num_cached_tokens < 0:
+            if request.num_cached_tokens < 0:  # its first admission (not a preempted one's return)
                 request.num_cached_tokens = num_hit
                 request.first_scheduled_time = time.monotonic()
-            kv.record_prefix_lookup(request.num_tokens, num_hit)
+                kv.record_prefix_lookup(request.num_tokens, num_hit)
             num_scheduled[request.request_id] = num_new
             new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,

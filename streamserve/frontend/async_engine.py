@@ -24,7 +24,7 @@ from collections import deque
 from typing import AsyncIterator, Callable, Optional, Union
 
 from streamserve.config import Config
-from streamserve.engine.core import EngineCore
+from streamserve.engine.core import EngineCore, StepFailed
 from streamserve.engine.request import EngineCoreOutput
 from streamserve.frontend.input_processor import InputProcessor
 from streamserve.frontend.output_processor import OutputProcessor
@@ -37,6 +37,11 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread could not start (loading failed) or has stopped."""
+
+
+class EngineStepError(RuntimeError):
+    """A step raised: each request in it fails with this (a server error, whatever the step's
+    own exception was: it need not be any one request's fault); the others go on."""
 
 
 class AsyncEngine:
@@ -157,10 +162,12 @@ class AsyncEngine:
                 continue
             try:
                 outputs = core.step()
-            except Exception as exc:  # fail what was running, keep the thread alive
-                logger.exception("engine step failed")
-                refused += [(rid, exc) for rid in core.scheduler.requests]
-                core.abort_requests(list(core.scheduler.requests))
+            except Exception as exc:  # fail the step's requests (all, where it broke elsewhere), keep going
+                cause = exc.__cause__ if isinstance(exc, StepFailed) else exc
+                logger.error("engine step failed", exc_info=cause)
+                failed = exc.request_ids if isinstance(exc, StepFailed) else core.fail(list(core.scheduler.requests))
+                error = EngineStepError(f"the engine step failed: {cause}")
+                refused += [(rid, error) for rid in failed]
                 outputs = []
             self.num_steps += 1
             self._loop.call_soon_threadsafe(self._on_step, outputs, refused)

@@ -12,6 +12,7 @@ last len(longest stop) - 1 characters are held back from `stream_delta`.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 from transformers import PreTrainedTokenizerBase
@@ -37,11 +38,28 @@ class TextDecoder:
         if backend is None or not hasattr(backend, "decode") or getattr(
                 tokenizer, "clean_up_tokenization_spaces", True):
             backend = None
+        self.tokenizer = tokenizer
         self.backend = backend
         self.decode: Callable[[list[int], bool], str] = (
             (lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)) if backend is not None
             else (lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)))
         self._stream_type = _decode_stream_type() if backend is not None else None
+
+    def token_bytes(self, token_id: int, text: str) -> bytes:
+        """The bytes token `token_id` (decoded alone: `text`) stands for. A token that holds
+        part of a character's UTF-8 decodes alone to U+FFFD; its own bytes are read from its
+        vocabulary entry: a byte-level BPE's (GPT-2, Llama 3, Qwen) byte-to-character map
+        undone, or SentencePiece's byte fallback (<0xE9>)."""
+        if "\ufffd" not in text:
+            return text.encode()
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                with contextlib.suppress(ValueError):
+                    return bytes([int(piece[3:5], 16)])
+            if piece and all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+        return text.encode()
 
     def stream(self, context_ids: list[int], skip_special_tokens: bool):
         """A DecodeStream primed with `context_ids`, or None where there is none to use. A
@@ -50,6 +68,17 @@ class TextDecoder:
         if self._stream_type is None or self.decode(context_ids, skip_special_tokens).endswith("\ufffd"):
             return None
         return self._stream_type(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's character for each byte, inverted: printable Latin-1 bytes stand for
+    themselves, the other 68 for U+0100 onwards, in byte order (GPT-2's bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 def _decode_stream_type():

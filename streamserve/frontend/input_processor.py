@@ -47,7 +47,7 @@ class InputProcessor:
 
     def process(self, child_ids: list[str], prompt_token_ids: list[int],
                 params: SamplingParams, arrival_time: Optional[float] = None) -> list[EngineCoreRequest]:
-        """One engine request per sample; with a seed, sample k draws from seed + k."""
+        """One engine request per sample; with a seed, sample k draws from seed + k (mod 2^64)."""
         self.validate(prompt_token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         eos = self.renderer.eos_token_id
@@ -55,6 +55,6 @@ class InputProcessor:
         for k, child_id in enumerate(child_ids):
             child_params = params
             if params.seed is not None and k:
-                child_params = dataclasses.replace(params, seed=params.seed + k)
+                child_params = dataclasses.replace(params, seed=(params.seed + k) % 2 ** 64)
             requests.append(EngineCoreRequest(child_id, prompt_token_ids, child_params, eos, arrival))
         return requests

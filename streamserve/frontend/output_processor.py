@@ -154,11 +154,16 @@ class OutputProcessor:
 
     def _add_logprobs(self, sample: _Sample, out: EngineCoreOutput) -> None:
         for token, lp in zip(out.new_token_ids, out.new_logprobs):
-            entry = {token: Logprob(lp.sampled_logprob, lp.sampled_rank, self.decoder.decode([token], False))}
+            entry = {token: self._logprob(token, lp.sampled_logprob, lp.sampled_rank)}
             for rank, (tid, val) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
-                entry.setdefault(tid, Logprob(val, rank, self.decoder.decode([tid], False)))
+                if tid not in entry:
+                    entry[tid] = self._logprob(tid, val, rank)
             sample.logprobs.append(entry)
             sample.cumulative_logprob += lp.sampled_logprob
+
+    def _logprob(self, token: int, value: float, rank: int) -> Logprob:
+        text = self.decoder.decode([token], False)
+        return Logprob(value, rank, text, self.decoder.token_bytes(token, text))
 
     def make_request_output(self, parent: _ParentState) -> RequestOutput:
         outputs = [CompletionOutput(s.index, s.detokenizer.output_text, list(s.token_ids),

@@ -34,9 +34,14 @@ class Renderer:
             raise ValueError("messages is empty: give at least one message")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
-        return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            **(chat_template_kwargs or {}))
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}))
+        except TemplateError as exc:  # the template's own raise_exception(...), e.g. roles out of turn
+            raise ValueError(f"the chat template refused these messages: {exc}") from None
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True,
                     chat_template_kwargs: Optional[dict] = None) -> list[int]:

@@ -42,6 +42,8 @@ ENGINE = web.AppKey("engine", AsyncEngine)
 READY_LOG = web.AppKey("ready_log", asyncio.Task)
 METRICS = web.AppKey("metrics", Metrics)
 CONFIG = web.AppKey("serving", Serving)
+# a request's key: its streamed response has begun (web.RequestKey where aiohttp has it, >= 3.12)
+STARTED = web.RequestKey("response_started", bool) if hasattr(web, "RequestKey") else "streamserve.started"
 
 STATIC_DIR = pathlib.Path(__file__).resolve().parent.parent / "static"
 # The chat page runs only its own scripts and talks only to this server: no inline script,
@@ -70,6 +72,8 @@ async def errors_middleware(request: web.Request, handler):
         return json_response(APIError(exc.status, message, type=kind).body(), exc.status)
     except Exception:
         logger.exception("unhandled error on %s", request.path)
+        if request.get(STARTED):  # a stream or websocket already answered: aiohttp closes it
+            raise
         return json_response(APIError(500, "internal server error", type="server_error").body(), 500)
 
 
@@ -102,6 +106,13 @@ def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     return app
+
+
+def app_runner(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web.AppRunner:
+    """The runner to serve build_app's app with. A handler whose client disconnects is
+    cancelled (aiohttp's handler_cancellation, off by default since 3.9): a request that is
+    not streamed is aborted then too, as a stream is when its next write fails."""
+    return web.AppRunner(build_app(engine, server, model_name), handler_cancellation=True)
 
 
 async def _log_when_ready(model_name: str, engine: AsyncEngine) -> None:
@@ -238,8 +249,18 @@ def _chat_logprob(entry: dict[int, Logprob], n: int) -> dict[str, Any]:
     sampled = next(iter(entry.values()))
     top = sorted((lp for lp in entry.values() if lp.rank <= n), key=lambda lp: lp.rank)[:n]
     shape = lambda lp: {"token": lp.decoded_token, "logprob": lp.logprob,  # noqa: E731
-                        "bytes": list((lp.decoded_token or "").encode())}
+                        "bytes": list(lp.token_bytes if lp.token_bytes is not None
+                                      else (lp.decoded_token or "").encode())}
     return {**shape(sampled), "top_logprobs": [shape(lp) for lp in top]}
+
+
+def _top_by_text(entry: dict[int, Logprob]) -> dict[str, float]:
+    """Completions' top_logprobs, keyed by text: where tokens decode alike, the sampled token
+    (first in `entry`) keeps its own value, then the better-ranked one."""
+    top: dict[str, float] = {}
+    for lp in entry.values():
+        top.setdefault(lp.decoded_token or "", lp.logprob)
+    return top
 
 
 class _Call:
@@ -268,8 +289,6 @@ class _Call:
             self.prompt_text = prompt if isinstance(prompt, str) else None
             self.prompt_ids = self.engine.renderer.encode(prompt) if isinstance(prompt, str) else prompt
         self.echo = protocol.echo_setting(body, chat)
-        if self.echo and self.prompt_text is None:
-            self.prompt_text = self.engine.tokenizer.decode(self.prompt_ids)
         room = max_model_len - len(self.prompt_ids)
         self.params = protocol.sampling_params(body, serving.server.max_n,
                                                default_max_tokens=None if chat else 16,
@@ -282,6 +301,8 @@ class _Call:
             self.engine.input_processor.validate(self.prompt_ids, self.params)
         except ValueError as exc:
             raise bad_request(str(exc), "prompt" if not chat else "messages") from None
+        if self.echo and self.prompt_text is None:  # token IDs, valid by now
+            self.prompt_text = self.engine.tokenizer.decode(self.prompt_ids)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The engine's deltas, observed for /metrics on the way through."""
@@ -314,7 +335,7 @@ class _Call:
             text_offset += len(token)
         return {"tokens": tokens,
                 "token_logprobs": [next(iter(e.values())).logprob for e in entries],
-                "top_logprobs": [{lp.decoded_token: lp.logprob for lp in e.values()} for e in entries],
+                "top_logprobs": [_top_by_text(e) for e in entries],
                 "text_offset": offsets}
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
@@ -376,8 +397,11 @@ async def _with_keepalive(outputs: AsyncIterator[RequestOutput], every: float,
                 return
             yield item
             pending = asyncio.ensure_future(anext(outputs))
-    finally:
+    finally:  # `outputs` may be closed next: first let the read in flight end
         pending.cancel()
+        await asyncio.wait({pending})
+        if not pending.cancelled():
+            pending.exception()  # retrieved: an error here is not news
 
 
 async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[str, Any]]:
@@ -422,18 +446,28 @@ def in_band_error(exc: Exception, what: str) -> APIError:
     return APIError(500, "internal server error", type="server_error")
 
 
+async def prepare(request: web.Request, response: web.StreamResponse) -> None:
+    """Send the headers of a response that streams (SSE, a websocket): from then on the
+    errors middleware cannot answer with an error status."""
+    await response.prepare(request)
+    request[STARTED] = True
+
+
 async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
-    await response.prepare(request)
+    await prepare(request, response)
     send = lambda obj: response.write(b"data: " + orjson.dumps(obj) + b"\n\n")  # noqa: E731
-    async with contextlib.aclosing(call.outputs()) as outputs:
+    async with contextlib.aclosing(call.outputs()) as outputs, \
+            contextlib.aclosing(_with_keepalive(outputs, call.keepalive, response)) as kept:
         try:
-            async for chunk in _chunks(call, _with_keepalive(outputs, call.keepalive, response)):
+            async for chunk in _chunks(call, kept):
                 await send(chunk)
         except ConnectionResetError:
             return response  # the client left: closing `outputs` aborts the request
         except Exception as exc:  # after the headers: report in-band, then end the stream
-            await send(in_band_error(exc, call.id).body())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+            with contextlib.suppress(ConnectionResetError):
+                await send(in_band_error(exc, call.id).body())
+    with contextlib.suppress(ConnectionResetError):  # all sent but the end: nothing to abort
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
     return response

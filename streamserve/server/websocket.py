@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Any, Optional
 
 import orjson
 from aiohttp import WSMsgType, web
 
-from streamserve.server.app import _Call, _chunks, api_key_ok, check_body, in_band_error, parse_json
+from streamserve.server.app import _Call, _chunks, api_key_ok, check_body, in_band_error, parse_json, prepare
 from streamserve.server.protocol import APIError, bad_request
+
+logger = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 20.0
 _ENDPOINTS = {"chat.completions": True, "completions": False}
@@ -59,16 +62,18 @@ class _Socket:
             return await self.error(None, APIError(401, "send {\"type\": \"auth\", \"api_key\": ...} "
                                                    "with the right key first", type="authentication_error",
                                                    code="invalid_api_key"))
+        if not isinstance(request_id, str):
+            request_id = None  # not one a client could have given a request
         if kind == "cancel":
             task = self.tasks.get(request_id)
             if task is None:
-                return await self.error(request_id, bad_request(f"no running request with id {request_id!r}", "id"))
+                return await self.error(request_id, bad_request(f"no running request with id {frame.get('id')!r}",
+                                                                "id"))
             task.cancel()
             return
         if kind != "request":
-            return await self.error(request_id if isinstance(request_id, str) else None,
-                                    bad_request("'type' must be 'request', 'cancel' or 'auth'", "type"))
-        if not isinstance(request_id, str) or not request_id:
+            return await self.error(request_id, bad_request("'type' must be 'request', 'cancel' or 'auth'", "type"))
+        if not request_id:
             return await self.error(None, bad_request("a request needs a non-empty string 'id'", "id"))
         if request_id in self.tasks:
             return await self.error(request_id, bad_request(f"id {request_id!r} is already running", "id"))
@@ -108,14 +113,18 @@ class _Socket:
 
 async def websocket(request: web.Request) -> web.WebSocketResponse:
     ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS)
-    await ws.prepare(request)
+    await prepare(request, ws)
     sock = _Socket(request, ws)
     try:
         async for msg in ws:
-            if msg.type == WSMsgType.TEXT:
-                await sock.handle(msg.data)
-            elif msg.type == WSMsgType.BINARY:
+            if msg.type == WSMsgType.BINARY:
                 await sock.error(None, bad_request("send JSON text frames"))
+            elif msg.type == WSMsgType.TEXT:
+                try:
+                    await sock.handle(msg.data)
+                except Exception:  # a frame that broke something: its own error, the socket stays
+                    logger.exception("unhandled error on a websocket frame")
+                    await sock.error(None, APIError(500, "internal server error", type="server_error"))
     finally:
         await sock.close()
     return ws

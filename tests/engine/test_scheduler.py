@@ -66,7 +66,7 @@ def test_max_num_seqs_caps_the_batch(llama_dir):
 
 def test_preemption_takes_the_newest_running_request(llama_dir):
     # 4 blocks of 16 tokens; A and B each need 2 blocks once they pass 16 tokens.
-    sched = make_scheduler(llama_dir, num_blocks=4, block_size=16)
+    sched = make_scheduler(llama_dir, num_blocks=4, block_size=16, enable_prefix_caching=True)
     sched.add_request(make_request("A", 16, 40))
     sched.add_request(make_request("B", 16, 40, start=100))
     sched.add_request(make_request("C", 16, 40, start=200))
@@ -80,6 +80,10 @@ def test_preemption_takes_the_newest_running_request(llama_dir):
     while sched.has_unfinished_requests():
         run_step(sched)
     assert sched.kv_cache_manager.num_free_blocks == 4
+    # /metrics' prefix-cache counters: each prompt looked up once, at its first admission (C's
+    # return from preemption is not a new query, nor its own blocks found again a hit)
+    pool = sched.kv_cache_manager.block_pool
+    assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (48, 0)
 
 
 def test_abort_frees_blocks_at_any_point(llama_dir):

@@ -135,3 +135,62 @@ def test_a_model_that_fails_to_load_is_reported(llama_dir, tmp_path):
                 pass
 
     asyncio.run(main())
+
+
+def failing_once(runner):
+    """Make the runner's next forward pass raise (as an out-of-memory error would)."""
+    real = runner.execute_model
+    calls = []
+
+    def execute(scheduler_output):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected failure")
+        return real(scheduler_output)
+
+    runner.execute_model = execute
+
+
+def test_a_failed_step_serves_none_of_its_blocks_from_the_prefix_cache(llama_dir):
+    """Scheduling registers a step's full blocks for the prefix cache before their KV is
+    written: after the step fails, the same prompt is computed afresh, not read from blocks
+    that hold nothing (it once came back as garbage)."""
+    from streamserve.engine.core import StepFailed
+
+    prompt = {"prompt_token_ids": list(range(5, 45))}  # two and a half blocks
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB").generate([prompt], params, use_tqdm=False)
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
+    failing_once(llm.engine_core.model_runner)
+    with pytest.raises(StepFailed):
+        llm.generate([prompt], params, use_tqdm=False)
+    kv = llm.engine_core.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks and not llm.engine_core.has_unfinished_requests()
+    again = llm.generate([prompt], params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == expected[0].outputs[0].token_ids
+
+
+def test_a_failed_step_fails_its_own_requests_only(llama_dir):
+    """One sequence at a time: the request in the failing step gets a server error; the one
+    still waiting for the slot runs to its end afterwards."""
+    from streamserve.frontend.async_engine import EngineStepError
+
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def main():
+        engine = AsyncEngine(Config.from_kwargs(model=llama_dir, dtype="float32", kv_cache_memory="16MiB",
+                                                max_num_seqs=1))
+        engine.start()
+        await engine.wait_ready()
+        failing_once(engine.engine_core.model_runner)
+        results = await asyncio.gather(collect(engine, "hello world", params),
+                                       collect(engine, "Paris is the capital of", params),
+                                       return_exceptions=True)
+        await engine.shutdown()
+        return results
+
+    first, second = asyncio.run(main())
+    assert isinstance(first, EngineStepError) and "injected failure" in str(first)
+    text, tokens, finish = second
+    assert len(tokens) == 6 and finish == "length"

@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from streamserve.engine.request import EngineCoreOutput
+from streamserve.frontend.detokenizer import TextDecoder
 from streamserve.frontend.output_processor import OutputProcessor
 from streamserve.sampling_params import SamplingParams
 
@@ -148,3 +149,31 @@ def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(tok, m
     monkeypatch.setattr(TextDecoder, "stream", lambda self, ids, skip: None)
     assert with_stream == output_text()
     assert "answer" not in with_stream and with_stream.endswith(" ok")
+
+
+@pytest.mark.parametrize("text", ["Caf\u00e9 \u4f60\u597d \U0001f600", "plain"])
+def test_token_bytes_rebuild_the_text_where_tokens_split_a_character(tok, text):
+    """A token holding part of a character decodes alone to U+FFFD; its bytes (chat logprobs'
+    "bytes") are its own piece of the UTF-8, so the pieces join into the text."""
+    decoder = TextDecoder(tok)
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [decoder.token_bytes(t, decoder.decode([t], False)) for t in ids]
+    assert b"".join(pieces) == text.encode()
+    assert any("\ufffd" in decoder.decode([t], False) for t in ids) == (text != "plain")
+
+
+def test_token_bytes_read_sentencepiece_byte_fallback():
+    """SentencePiece vocabularies hold a character they lack as byte tokens named <0xNN>."""
+    class Vocab:  # what TextDecoder reads of a tokenizer without a `tokenizers` backend
+        clean_up_tokenization_spaces = False
+        pieces = {1: "<0xE4>", 2: "\u2581hello"}
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "\ufffd" if ids == [1] else " hello"
+
+        def convert_ids_to_tokens(self, token_id):
+            return self.pieces[token_id]
+
+    decoder = TextDecoder(Vocab())
+    assert decoder.token_bytes(1, decoder.decode([1], False)) == b"\xe4"
+    assert decoder.token_bytes(2, decoder.decode([2], False)) == b" hello"

@@ -13,7 +13,7 @@ from aiohttp import web
 from live_server import start
 from streamserve.config import Config
 from streamserve.frontend.async_engine import AsyncEngine
-from streamserve.server.app import build_app
+from streamserve.server.app import app_runner
 
 
 async def stream_text(session: aiohttp.ClientSession, url: str, body: dict) -> str:
@@ -234,7 +234,7 @@ def test_health_says_loading_until_the_model_is_resolved_and_loaded(llama_dir):
 
     async def main():
         engine = AsyncEngine(slow_config)
-        runner = web.AppRunner(build_app(engine, ServerConfig(), "tiny"))
+        runner = app_runner(engine, ServerConfig(), "tiny")
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -1,0 +1,185 @@
+"""Clients that send what they should not, or leave early: each gets its own clear error
+(or is simply aborted), and nobody else is touched."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import time
+
+import aiohttp
+
+from live_server import start
+
+
+def long_body(**extra) -> dict:
+    return {"prompt": "hello " * 10, "max_tokens": 120, "temperature": 0, "ignore_eos": True, **extra}
+
+
+async def read_stream(response: aiohttp.ClientResponse) -> list[dict]:
+    frames = []
+    async for line in response.content:
+        line = line.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            frames.append(json.loads(line[6:]))
+    return frames
+
+
+async def settle(engine) -> tuple[int, int, bool]:
+    """(free KV blocks, all blocks, requests left) once the engine has gone idle."""
+    kv = engine.engine_core.scheduler.kv_cache_manager
+    for _ in range(500):
+        if not engine.engine_core.has_unfinished_requests() and kv.num_free_blocks == kv.num_blocks:
+            break
+        await asyncio.sleep(0.02)
+    return kv.num_free_blocks, kv.num_blocks, engine.engine_core.has_unfinished_requests()
+
+
+def test_a_seed_out_of_range_is_refused_and_harms_no_one(llama_dir):
+    """A seed must fit 64 bits; sample k of n draws from seed + k, wrapping at 2^64 (it once
+    overflowed inside the engine step and failed every request running with it)."""
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json=long_body(stream=True)) as stream:
+                await stream.content.readline()  # it runs
+                async with session.post(url + "/v1/completions", json={
+                        "prompt": "x", "max_tokens": 3, "seed": 2 ** 64, "temperature": 1}) as r:
+                    too_big = (r.status, await r.json())
+                async with session.post(url + "/v1/completions", json={
+                        "prompt": "x", "max_tokens": 3, "seed": 2 ** 64 - 1, "n": 2, "temperature": 1}) as r:
+                    wrapped = (r.status, await r.json())
+                frames = await read_stream(stream)
+        await runner.cleanup()
+        return too_big, wrapped, frames
+
+    (status, error), (ok, body), frames = asyncio.run(main())
+    assert status == 400 and "seed" in error["error"]["message"]
+    assert ok == 200 and len(body["choices"]) == 2
+    assert not any("error" in f for f in frames) and frames[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_chat_templates_own_error_is_a_400(llama_dir, tmp_path):
+    """A template that refuses a conversation (raise_exception, as Mistral's does when the
+    roles do not alternate) is the client's error: 400 over HTTP and /tokenize, an error frame
+    over a websocket, which stays open."""
+    model = tmp_path / "strict"
+    shutil.copytree(llama_dir, model)
+    (model / "chat_template.jinja").write_text(
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('conversations start with the user') }}"
+        "{% endif %}{% for m in messages %}{{ m['content'] }}\n{% endfor %}")
+    bad = {"messages": [{"role": "assistant", "content": "x"}], "max_tokens": 2}
+
+    async def main():
+        runner, engine, url = await start(str(model))
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/chat/completions", json=bad) as r:
+                chat = (r.status, await r.json())
+            async with session.post(url + "/tokenize", json={"messages": bad["messages"]}) as r:
+                tokenize = (r.status, await r.json())
+            async with session.ws_connect(url + "/v1/ws") as ws:
+                await ws.send_json({"type": "request", "id": "a", "endpoint": "chat.completions", "body": bad})
+                refused = await ws.receive_json(timeout=30)
+                await ws.send_json({"type": "request", "id": "b", "endpoint": "completions",
+                                    "body": {"prompt": "hi", "max_tokens": 2}})
+                frames = [await ws.receive_json(timeout=30)]
+                while frames[-1]["type"] != "done":
+                    frames.append(await ws.receive_json(timeout=30))
+        await runner.cleanup()
+        return chat, tokenize, refused, frames
+
+    (status, error), (tok_status, tok_error), refused, frames = asyncio.run(main())
+    assert status == 400 and "conversations start with the user" in error["error"]["message"]
+    assert error["error"]["param"] == "messages"
+    assert tok_status == 400 and "conversations start with the user" in tok_error["error"]["message"]
+    assert refused["type"] == "error" and refused["id"] == "a" and refused["error"]["type"] == "invalid_request_error"
+    assert frames[-1] == {"type": "done", "id": "b"}
+
+
+def test_bad_websocket_frames_leave_the_socket_and_its_streams_alone(llama_dir):
+    """A cancel whose id is not a string, or a request whose prompt IDs are out of range
+    (with echo, which decodes them), gets an error frame; the stream already running goes
+    on to its end, not cancelled."""
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        frames: list[dict] = []
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(url + "/v1/ws") as ws:
+                await ws.send_json({"type": "request", "id": "long", "endpoint": "completions",
+                                    "body": long_body()})
+                await ws.send_json({"type": "cancel", "id": ["long"]})
+                await ws.send_json({"type": "cancel", "id": {"a": 1}})
+                await ws.send_json({"type": "request", "id": "echo", "endpoint": "completions",
+                                    "body": {"prompt": [-5], "echo": True, "max_tokens": 2}})
+                while not frames or frames[-1] != {"type": "done", "id": "long"}:
+                    frames.append(await ws.receive_json(timeout=60))
+        await runner.cleanup()
+        return frames
+
+    frames = asyncio.run(main())
+    errors = [f for f in frames if f["type"] == "error"]
+    assert [e["id"] for e in errors] == [None, None, "echo"]
+    assert errors[2]["error"]["param"] == "prompt"
+    chunks = [f["data"] for f in frames if f["type"] == "chunk" and f["id"] == "long"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_echo_of_token_ids_out_of_range_is_a_400(llama_dir):
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json={"prompt": [-5], "echo": True}) as r:
+                result = (r.status, await r.json())
+        await runner.cleanup()
+        return result
+
+    status, error = asyncio.run(main())
+    assert status == 400 and error["error"]["param"] == "prompt"
+
+
+def test_a_request_that_is_not_streamed_is_aborted_when_its_client_leaves(llama_dir):
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        async with aiohttp.ClientSession() as session:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await session.post(url + "/v1/completions", json=long_body(max_tokens=2000, n=4),
+                                   timeout=aiohttp.ClientTimeout(total=0.5))
+        left = await settle(engine)
+        steps = engine.num_steps
+        await runner.cleanup()
+        return left, steps
+
+    (free, total, busy), steps = asyncio.run(main())
+    assert free == total and not busy
+    assert steps < 1000  # aborted, not run to its 2000 tokens
+
+
+def test_leaving_a_stream_that_only_had_keepalives_aborts_it_quietly(llama_dir, caplog):
+    """A stream still waiting for a slot (only keep-alive comments so far) whose client
+    leaves: the request is aborted, with no error logged (the read in flight used to be left
+    running while the outputs were closed under it)."""
+    async def main():
+        runner, engine, url = await start(llama_dir, max_num_seqs=1, sse_keepalive_seconds=0.05)
+        core = engine.engine_core
+        step = core.step
+        core.step = lambda: time.sleep(0.005) or step()  # the busy request holds the one slot a while
+        async with aiohttp.ClientSession() as session:
+            busy = asyncio.ensure_future(session.post(url + "/v1/completions", json=long_body(max_tokens=200)))
+            await asyncio.sleep(0.2)
+            async with session.post(url + "/v1/completions", json=long_body(stream=True)) as waiting:
+                assert (await waiting.content.readline()).startswith(b": keep-alive")
+                await waiting.content.readline()
+                waiting.close()
+            await asyncio.sleep(0.3)
+            (await busy).close()
+        left = await settle(engine)
+        await runner.cleanup()
+        return left
+
+    with caplog.at_level(logging.ERROR):
+        free, total, busy = asyncio.run(main())
+    assert free == total and not busy
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
