@@ -25,6 +25,7 @@ class SamplingParams:
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
     logprobs: Optional[int] = None
+    logit_bias: Optional[dict[int, float]] = None  # token ID -> added to its logit (-100 bans it)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -34,6 +35,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(_is_token_id(t) for t in self.stop_token_ids or ()):
+            raise ValueError("stop_token_ids must be non-negative integers")
         self.stop_token_set = frozenset(self.stop_token_ids or ())
         self._validate()
 
@@ -62,8 +65,10 @@ class SamplingParams:
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop_list),
              "stop must be a non-empty string or a list of non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_set),
-             "stop_token_ids must be non-negative integers"),
+            (self.logit_bias is None or all(
+                _is_token_id(t) and isinstance(b, (int, float)) and -100 <= b <= 100
+                for t, b in self.logit_bias.items()),
+             "logit_bias must map token IDs (non-negative integers) to biases in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:
@@ -77,3 +82,7 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -76,9 +76,10 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams,
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ID {bad[0]} is outside the vocabulary [0, {vocab_size})")
-    bad = [t for t in params.stop_token_set if t >= vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    for field, ids in (("stop_token_ids", params.stop_token_set), ("logit_bias", params.logit_bias or ())):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{field}: {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
 
 class Request:

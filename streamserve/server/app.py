@@ -275,6 +275,7 @@ class _Call:
         self.model = serving.model_name
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        protocol.refuse_unsupported(body)
         self.stream, self.include_usage = protocol.stream_options(body)
         self.keepalive = serving.server.sse_keepalive_seconds
         if chat:
@@ -300,7 +301,9 @@ class _Call:
         try:
             self.engine.input_processor.validate(self.prompt_ids, self.params)
         except ValueError as exc:
-            raise bad_request(str(exc), "prompt" if not chat else "messages") from None
+            field = str(exc).split(":", 1)[0]
+            raise bad_request(str(exc), field if field in ("stop_token_ids", "logit_bias")
+                              else "prompt" if not chat else "messages") from None
         if self.echo and self.prompt_text is None:  # token IDs, valid by now
             self.prompt_text = self.engine.tokenizer.decode(self.prompt_ids)
 

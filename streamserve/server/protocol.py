@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from streamserve.sampling_params import SamplingParams
+from streamserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -60,6 +60,13 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
             break
     else:
         kwargs["max_tokens"] = default_max_tokens
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict) or not all(
+                isinstance(k, str) and k.isascii() and k.isdigit() and isinstance(v, _NUMBER)
+                and not isinstance(v, bool) for k, v in bias.items()):
+            raise bad_request("'logit_bias' must map token IDs (as strings) to numbers", "logit_bias")
+        kwargs["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
@@ -89,11 +96,30 @@ def logprobs_setting(body: dict[str, Any], chat: bool) -> Optional[int]:
     if value is not None and not isinstance(value, bool):
         raise bad_request("'logprobs' must be a boolean", "logprobs")
     if top is not None:
-        if isinstance(top, bool) or not isinstance(top, int):
-            raise bad_request("'top_logprobs' must be an integer", "top_logprobs")
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS:
+            raise bad_request(f"'top_logprobs' must be an integer in [0, {MAX_LOGPROBS}]", "top_logprobs")
         if not value:
             raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return (top or 0) if value else None
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    """OpenAI fields this server cannot honour: refused, rather than quietly ignored (other
+    unknown fields are ignored, as vLLM does)."""
+    if body.get("suffix"):
+        raise bad_request("'suffix' (insertion) is not supported", "suffix")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise bad_request("'best_of' is not supported: every sample is returned (use 'n')", "best_of")
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind != "text":
+            raise bad_request(f"'response_format' {kind!r} is not supported: this server has no "
+                              "guided decoding (only {\"type\": \"text\"})", "response_format")
+    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
+        if body.get(tools) and body.get(choice, "auto") != "none":
+            raise bad_request(f"this server does not call tools: '{tools}' needs '{choice}': 'none'", choice)
 
 
 def echo_setting(body: dict[str, Any], chat: bool) -> bool:

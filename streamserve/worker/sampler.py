@@ -1,7 +1,7 @@
 """Sampler: one row of logits per sampling request -> one token each, plus logprobs.
 
 Order of operations (as in vLLM): raw logprobs for reporting -> min_tokens
-suppression -> penalties -> greedy argmax, or temperature -> top-k -> top-p ->
+suppression -> logit bias -> penalties -> greedy argmax, or temperature -> top-k -> top-p ->
 min-p -> a draw. The draw is argmax(probs / q) with q ~ Exp(1) per vocabulary
 entry, which samples from `probs` without a device sync; a request with a seed
 draws its q from its own generator, so its tokens do not depend on the batch.
@@ -31,6 +31,8 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         if any(r.params.min_tokens for r in rows):
             logits = _suppress_stops(logits, rows)
+        if any(r.params.logit_bias for r in rows):
+            logits = _add_logit_bias(logits, rows)
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits, rows)
         tokens = self._choose(logits, rows)
@@ -96,6 +98,17 @@ def _suppress_stops(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
                 banned.add(r.eos_token_id)
             if banned:
                 logits[i, list(banned)] = float("-inf")
+    return logits
+
+
+def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """OpenAI's logit_bias: each listed token's bias added to its logit."""
+    logits = logits.clone()
+    for i, r in enumerate(rows):
+        if r.params.logit_bias:
+            ids = torch.tensor(list(r.params.logit_bias), device=logits.device)
+            logits[i].index_add_(0, ids, torch.tensor(list(r.params.logit_bias.values()),
+                                                      dtype=logits.dtype, device=logits.device))
     return logits
 
 

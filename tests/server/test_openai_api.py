@@ -230,7 +230,42 @@ def test_echo_puts_the_prompt_first(client):
 def test_more_bad_requests_are_400_with_the_field_named(server):
     cases = [({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
              ({"prompt": "hi", "n": 17}, "n"), ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-             ({"prompt": "hi", "temperature": "hot"}, "temperature"), ({"prompt": ""}, "prompt")]
+             ({"prompt": "hi", "temperature": "hot"}, "temperature"), ({"prompt": ""}, "prompt"),
+             ({"prompt": "hi", "stop_token_ids": [[1]]}, "stop_token_ids"),
+             ({"prompt": "hi", "stop_token_ids": [10 ** 6]}, "stop_token_ids"),
+             ({"prompt": "hi", "seed": -2 ** 63 - 1}, "seed"),
+             ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+             ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+             ({"prompt": "hi", "logit_bias": {"1000000": 1}}, "logit_bias"),
+             # what the server cannot honour is refused, not quietly ignored
+             ({"prompt": "hi", "suffix": "end"}, "suffix"), ({"prompt": "hi", "best_of": 3}, "best_of")]
     for body, param in cases:
         status, error = post(server + "/v1/completions", body)
         assert status == 400 and error["error"]["param"] == param, (body, error)
+    user = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for body, param in [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+                        ({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"tools": [tool]}, "tool_choice"), ({"tools": [tool], "tool_choice": "required"}, "tool_choice")]:
+        status, error = post(server + "/v1/chat/completions", {"messages": user, **body})
+        assert status == 400 and error["error"]["param"] == param, (body, error)
+    status, _ = post(server + "/v1/chat/completions", {"messages": user, "max_tokens": 1, "tools": [tool],
+                                                       "tool_choice": "none", "response_format": {"type": "text"}})
+    assert status == 200
+
+
+def test_logit_bias_bans_and_forces_tokens(client, offline):
+    """-100 makes a token unpickable, +100 all but certain; served as LLM.generate gives it."""
+    first = offline.generate("hello world", SamplingParams(max_tokens=1, temperature=0),
+                             use_tqdm=False)[0].outputs[0].token_ids[0]
+    for bias, temperature in (({first: -100.0}, 0.0), ({42: 100.0}, 1.0)):
+        params = SamplingParams(max_tokens=6, temperature=temperature, seed=3, logit_bias=bias)
+        expected = offline.generate("hello world", params, use_tqdm=False)[0].outputs[0]
+        served = client.completions.create(model="tiny", prompt="hello world", max_tokens=6, seed=3,
+                                           temperature=temperature,
+                                           logit_bias={str(k): v for k, v in bias.items()})
+        assert served.choices[0].text == expected.text
+        if temperature == 0:
+            assert expected.token_ids[0] != first
+        else:
+            assert expected.token_ids == [42] * 6
