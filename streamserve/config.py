@@ -215,6 +215,10 @@ class ServerConfig:
         "help": "largest request body accepted; larger ones get 413"})
     sse_keepalive_seconds: float = field(default=15.0, metadata={
         "help": "send an SSE ': keep-alive' comment after this long without a chunk"})
+    allowed_origins: Optional[str] = field(default=None, metadata={
+        "help": "comma-separated origins (scheme://host[:port]) whose web pages may open the "
+                "/v1/ws websocket besides the server's own, or '*' for any (default: its own only; "
+                "clients that send no Origin, i.e. not browsers, are always let in)"})
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -50,7 +50,7 @@ STATIC_DIR = pathlib.Path(__file__).resolve().parent.parent / "static"
 # no other origin, so text that slipped into the DOM as HTML still could not run.
 PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; img-src 'self' data:; "
                 "object-src 'none'; base-uri 'none'; frame-ancestors 'none'",
-                "Cache-Control": "no-cache"}
+                "Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -137,10 +137,13 @@ async def chat_page(request: web.Request) -> web.FileResponse:
 
 async def static_file(request: web.Request) -> web.FileResponse:
     """A file directly in streamserve/static/; anything else is a 404 like any other."""
-    path = (STATIC_DIR / request.match_info["name"]).resolve()
+    try:
+        path = (STATIC_DIR / request.match_info["name"]).resolve()
+    except ValueError:  # a NUL in the name
+        raise web.HTTPNotFound() from None
     if path.parent != STATIC_DIR or not path.is_file():
         raise web.HTTPNotFound()
-    return web.FileResponse(path)
+    return web.FileResponse(path, headers={"X-Content-Type-Options": "nosniff"})
 
 
 async def health(request: web.Request) -> web.Response:

@@ -20,11 +20,13 @@ import asyncio
 import contextlib
 import logging
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 import orjson
 from aiohttp import WSMsgType, web
 
-from streamserve.server.app import _Call, _chunks, api_key_ok, check_body, in_band_error, parse_json, prepare
+from streamserve.server.app import (CONFIG, _Call, _chunks, api_key_ok, check_body, in_band_error, parse_json,
+                                    prepare)
 from streamserve.server.protocol import APIError, bad_request
 
 logger = logging.getLogger(__name__)
@@ -111,7 +113,22 @@ class _Socket:
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
 
+def origin_allowed(request: web.Request) -> bool:
+    """Whether the page that opens this socket may. Browsers apply no same-origin rule to
+    websockets: without this, any site a user visits could drive (and read) a server on their
+    machine. A client that sends no Origin is not a browser page."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return True
+    allowed = request.app[CONFIG].server.allowed_origins
+    extra = {o.strip().rstrip("/") for o in allowed.split(",")} if allowed else set()
+    return "*" in extra or origin in extra or urlsplit(origin).netloc == request.host
+
+
 async def websocket(request: web.Request) -> web.WebSocketResponse:
+    if not origin_allowed(request):
+        raise APIError(403, f"origin {request.headers['Origin']!r} may not open this websocket "
+                       "(see --allowed-origins)", type="permission_error")
     ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS)
     await prepare(request, ws)
     sock = _Socket(request, ws)

@@ -183,3 +183,33 @@ def test_leaving_a_stream_that_only_had_keepalives_aborts_it_quietly(llama_dir, 
         free, total, busy = asyncio.run(main())
     assert free == total and not busy
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_only_the_servers_own_pages_may_open_its_websocket(llama_dir):
+    """Browsers let any site open a websocket to localhost and read it: a page of another
+    origin is refused (403) unless --allowed-origins names it; clients with no Origin (not
+    browsers) and the server's own page are let in. A NUL in a static file name is a 404."""
+    async def main():
+        results = {}
+        for allowed in (None, "https://chat.example, http://other:9"):
+            runner, engine, url = await start(llama_dir, allowed_origins=allowed)
+            async with aiohttp.ClientSession() as session:
+                for origin in (None, url, "https://evil.example", "https://chat.example"):
+                    try:
+                        async with session.ws_connect(url + "/v1/ws", origin=origin) as ws:
+                            await ws.send_json({"type": "request", "id": "a", "endpoint": "completions",
+                                                "body": {"prompt": "hi", "max_tokens": 1}})
+                            results[allowed, origin] = (await ws.receive_json(timeout=30))["type"]
+                    except aiohttp.WSServerHandshakeError as exc:
+                        results[allowed, origin] = exc.status
+                async with session.get(url + "/static/chat.js%00") as r:
+                    results["nul"] = r.status
+            await runner.cleanup()
+        return results, url
+
+    results, url = asyncio.run(main())
+    assert results["nul"] == 404
+    for allowed in (None, "https://chat.example, http://other:9"):
+        assert results[allowed, None] == "chunk" and results[allowed, "https://evil.example"] == 403
+    assert results[None, "https://chat.example"] == 403
+    assert results["https://chat.example, http://other:9", "https://chat.example"] == "chunk"
