@@ -88,6 +88,9 @@ class _Socket:
             call = _Call(self.request, check_body(self.request, {**body, "stream": True}), _ENDPOINTS[endpoint])
         except APIError as exc:
             return await self.error(request_id, exc)
+        except Exception:  # the request's own failure: its id, so the client can end it
+            logger.exception("unhandled error starting websocket request %r", request_id)
+            return await self.error(request_id, APIError(500, "internal server error", type="server_error"))
         self.tasks[request_id] = asyncio.create_task(self.run(request_id, call))
 
     async def run(self, request_id: str, call: _Call) -> None:

@@ -6,7 +6,10 @@
 // code blocks (monospace, with a copy button), inline code, bold, italics, and bulleted
 // or numbered lists. An unclosed fence (a reply still streaming) renders as a code block.
 
-const FENCE = /^\s*(```|~~~)\s*([\w+#.-]*)\s*$/;
+// A fence: three or more backticks or tildes, then an info string whose first word names
+// the language (```js title="a.js"); it closes at a line of the same character, at least as
+// many of them and nothing else (CommonMark's rule), so ```` can hold a ``` example.
+const FENCE = /^\s*(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
 const ITEM = /^\s*([-*+]|\d{1,9}[.)])\s+(.*)$/;
 const HEADING = /^(#{1,6})\s+(.*)$/;
 // Inline spans, in order of precedence: `code`, **bold**, __bold__, *italic*, _italic_.
@@ -91,7 +94,8 @@ export function renderMarkdown(text) {
       flush();
       list = null;
       const body = [];
-      for (i++; i < lines.length && !lines[i].trim().startsWith(fence[1]); i++) body.push(lines[i]);
+      const closes = (t) => t.length >= fence[1].length && t === fence[1][0].repeat(t.length);
+      for (i++; i < lines.length && !closes(lines[i].trim()); i++) body.push(lines[i]);
       out.appendChild(codeBlock(fence[2], body.join("\n")));
       continue;
     }

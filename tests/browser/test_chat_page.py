@@ -411,3 +411,26 @@ def test_phone_and_desktop_layouts_in_light_and_dark(server, open_page):
     assert in_view(desktop, "#new-chat") and not desktop.locator("#toggle-sidebar").is_visible()
     assert desktop.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(255, 255, 255)"
     assert no_horizontal_scroll(desktop)
+
+
+def test_code_fences_as_commonmark_reads_them(server, open_page):
+    """An info string after the language (```js title="a.js"), longer fences holding a ```
+    example, and a ``` line with text after it (not a closing fence) render as code blocks,
+    and what follows the block renders as Markdown again."""
+    page = open_page(server)
+    blocks = page.evaluate("""async () => {
+        const { renderMarkdown } = await import("/static/markdown.js");
+        const text = "```js title=\\"a.js\\"\\nconst x = a*b*c;\\n```\\n\\nAfter **done**.\\n\\n" +
+                     "````md\\n```py\\nx = 1\\n```\\n````\\n\\n``` \\nkeep\\n``` trailing\\n```\\nend";
+        const root = document.createElement("div");
+        root.appendChild(renderMarkdown(text));
+        return {
+            langs: [...root.querySelectorAll(".code-lang")].map(e => e.textContent),
+            code: [...root.querySelectorAll("pre code")].map(e => e.textContent),
+            strong: [...root.querySelectorAll("p strong")].map(e => e.textContent),
+            paragraphs: [...root.querySelectorAll(":scope > p")].map(e => e.textContent),
+        };
+    }""")
+    assert blocks["langs"] == ["js", "md", ""]
+    assert blocks["code"] == ["const x = a*b*c;", "```py\nx = 1\n```", "keep\n``` trailing"]
+    assert blocks["strong"] == ["done"] and blocks["paragraphs"] == ["After done.", "end"]
