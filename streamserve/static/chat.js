@@ -500,11 +500,14 @@ ui.keyForm.addEventListener("submit", (event) => {
 });
 ui.keyDialog.addEventListener("cancel", (event) => event.preventDefault()); // Esc: stay
 window.addEventListener("storage", (event) => { // another tab changed the conversations
-  if (event.key === CHATS_KEY && !state.reply) {
-    state.chats = loadJSON(CHATS_KEY, []);
-    renderSidebar();
-    renderChat();
-  }
+  if (event.key !== CHATS_KEY) return;
+  // Take the other tab's list, but a reply streaming here keeps this tab's copy of its chat
+  // (newer than any the other tab saved), so that neither tab's next save loses the other's.
+  const mine = state.reply?.chat;
+  const stored = loadJSON(CHATS_KEY, []);
+  state.chats = mine ? [...stored.filter((c) => c.id !== mine.id), mine] : stored;
+  renderSidebar();
+  if (!mine || mine.id !== state.currentId) renderChat();
 });
 
 loadSettings();

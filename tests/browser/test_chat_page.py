@@ -434,3 +434,35 @@ def test_code_fences_as_commonmark_reads_them(server, open_page):
     assert blocks["langs"] == ["js", "md", ""]
     assert blocks["code"] == ["const x = a*b*c;", "```py\nx = 1\n```", "keep\n``` trailing"]
     assert blocks["strong"] == ["done"] and blocks["paragraphs"] == ["After done.", "end"]
+
+
+def test_two_tabs_keep_each_others_conversations(server, open_page):
+    """Tab A's reply streams (its end held back) while tab B starts and finishes another
+    chat; when A's reply ends and A saves, B's chat is still stored."""
+    held = []
+
+    def hold_done(ws):
+        upstream = ws.connect_to_server()
+        ws.on_message(lambda message: upstream.send(message))
+        upstream.on_message(lambda message: held.append(message) if json.loads(message)["type"] == "done"
+                            else ws.send(message))
+        held.append(ws)  # held[0]: the route, to send the frames on later
+
+    a = open_page(server, before=lambda page: page.route_web_socket(WS, hold_done))
+    settings(a, max_tokens=8)  # stored for both tabs
+    b = a.context.new_page()
+    b.goto(server.url + "/")
+    connected(b)
+    send(a, "chat from tab A")
+    for _ in range(600):  # A's reply came, all but its "done" (the waits let Playwright deliver it)
+        if len(held) > 1:
+            break
+        a.wait_for_timeout(50)
+    b.click("#new-chat")
+    send(b, "chat from tab B")
+    expect(reply(b).locator(".stats .finish")).not_to_be_empty()
+    held[0].send(held[1])  # A's reply ends now
+    expect(reply(a).locator(".stats .finish")).not_to_be_empty()
+    titles = lambda page: sorted(c["title"] for c in stored_chats(page))  # noqa: E731
+    assert titles(a) == titles(b) == ["chat from tab A", "chat from tab B"]
+    expect(a.locator("#chat-list .open")).to_have_count(2)
