@@ -10,7 +10,7 @@
 // message object is the one in its chat's `messages`, so deleting or switching chats
 // while it streams neither loses it nor writes it into another chat.
 
-import { renderMarkdown } from "./markdown.js";
+import { renderAll, renderGrowing } from "./markdown.js";
 
 const CHATS_KEY = "streamserve.chats";
 const CURRENT_KEY = "streamserve.current";
@@ -152,8 +152,9 @@ function updateMessage(msg) {
   if (!node) return;
   const stick = node.isConnected && nearBottom();
   const body = node.querySelector(".body");
-  if (msg.role === "assistant") body.replaceChildren(renderMarkdown(msg.content));
-  else body.textContent = msg.content;
+  if (msg.role !== "assistant") body.textContent = msg.content;
+  else if (state.reply?.msg === msg) renderGrowing(body, msg.content);
+  else renderAll(body, msg.content);
   node.classList.toggle("streaming", state.reply?.msg === msg);
   node.querySelector(".stats")?.remove();
   node.querySelector(".error")?.remove();

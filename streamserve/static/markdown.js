@@ -10,6 +10,10 @@
 // the language (```js title="a.js"); it closes at a line of the same character, at least as
 // many of them and nothing else (CommonMark's rule), so ```` can hold a ``` example.
 const FENCE = /^\s*(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
+const closesFence = (line, fence) => {
+  const t = line.trim();
+  return t.length >= fence.length && t === fence[0].repeat(t.length);
+};
 const ITEM = /^\s*([-*+]|\d{1,9}[.)])\s+(.*)$/;
 const HEADING = /^(#{1,6})\s+(.*)$/;
 // Inline spans, in order of precedence: `code`, **bold**, __bold__, *italic*, _italic_.
@@ -94,8 +98,7 @@ export function renderMarkdown(text) {
       flush();
       list = null;
       const body = [];
-      const closes = (t) => t.length >= fence[1].length && t === fence[1][0].repeat(t.length);
-      for (i++; i < lines.length && !closes(lines[i].trim()); i++) body.push(lines[i]);
+      for (i++; i < lines.length && !closesFence(lines[i], fence[1]); i++) body.push(lines[i]);
       out.appendChild(codeBlock(fence[2], body.join("\n")));
       continue;
     }
@@ -129,4 +132,49 @@ export function renderMarkdown(text) {
   }
   flush();
   return out;
+}
+
+// How much of `text` nothing appended to it can render differently: up to the last blank
+// line outside a code fence (a blank line ends every block and resets the lists).
+export function settledLength(text) {
+  let settled = 0;
+  let fence = null;
+  for (let start = 0, end = text.indexOf("\n"); end !== -1; start = end + 1, end = text.indexOf("\n", start)) {
+    const line = text.slice(start, end);
+    if (fence) {
+      if (closesFence(line, fence)) fence = null;
+    } else if (FENCE.test(line)) {
+      fence = FENCE.exec(line)[1];
+    } else if (line.trim() === "") {
+      settled = end + 1;
+    }
+  }
+  return settled;
+}
+
+const settledNodes = new WeakMap(); // element -> {length, count}: text rendered once, as its first nodes
+
+// Render `text`, a reply still growing, into `parent`: what settledLength says is settled is
+// rendered once and kept, only the rest again (a long reply would otherwise be rebuilt on
+// every frame, its cost growing with the square of its length).
+export function renderGrowing(parent, text) {
+  let done = settledNodes.get(parent);
+  if (!done || text.length < done.length || parent.childNodes.length < done.count) {
+    parent.replaceChildren();
+    done = { length: 0, count: 0 };
+  }
+  while (parent.childNodes.length > done.count) parent.lastChild.remove();
+  const upTo = settledLength(text);
+  if (upTo > done.length) {
+    parent.appendChild(renderMarkdown(text.slice(done.length, upTo)));
+    done = { length: upTo, count: parent.childNodes.length };
+  }
+  settledNodes.set(parent, done);
+  parent.appendChild(renderMarkdown(text.slice(done.length)));
+}
+
+// Render `text` whole into `parent` (forgetting what renderGrowing kept).
+export function renderAll(parent, text) {
+  settledNodes.delete(parent);
+  parent.replaceChildren(renderMarkdown(text));
 }

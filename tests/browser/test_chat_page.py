@@ -466,3 +466,28 @@ def test_two_tabs_keep_each_others_conversations(server, open_page):
     titles = lambda page: sorted(c["title"] for c in stored_chats(page))  # noqa: E731
     assert titles(a) == titles(b) == ["chat from tab A", "chat from tab B"]
     expect(a.locator("#chat-list .open")).to_have_count(2)
+
+
+def test_a_growing_reply_renders_as_the_whole_does_keeping_what_is_settled(server, open_page):
+    """A reply streamed in pieces renders (renderGrowing) exactly as the whole text does; the
+    blocks before the last blank line outside a fence are built once and kept (the same nodes
+    from frame to frame), not rebuilt every frame."""
+    page = open_page(server)
+    result = page.evaluate("""async () => {
+        const { renderAll, renderGrowing } = await import("/static/markdown.js");
+        const text = "# Title\\n\\nSome **bold** text\\nand more.\\n\\n- one\\n- two\\n  more of two\\n\\n" +
+                     "```py\\nx = 1\\n\\ny = 2\\n```\\n\\n1. first\\n\\n3. third\\n\\n~~~\\nopen fence, blank:\\n\\n" +
+                     "still code\\n~~~\\nlast *words*";
+        const growing = document.createElement("div"), whole = document.createElement("div");
+        let firstNode = null, kept = true;
+        for (let i = 1; i <= text.length; i += 1 + (i % 5)) {
+            renderGrowing(growing, text.slice(0, i));
+            if (i > 12 && firstNode === null) firstNode = growing.firstChild;
+            else if (firstNode !== null) kept &&= growing.firstChild === firstNode;
+        }
+        renderGrowing(growing, text);
+        renderAll(whole, text);
+        return { same: growing.innerHTML === whole.innerHTML, kept, html: growing.innerHTML };
+    }""")
+    assert result["same"], result["html"]
+    assert result["kept"]
