@@ -101,6 +101,7 @@ def serve(args: argparse.Namespace) -> int:
 async def _serve(server: ServerConfig, model_name: str, make_config) -> int:
     import asyncio
     import logging
+    import socket
 
     from aiohttp import web
 
@@ -108,13 +109,20 @@ async def _serve(server: ServerConfig, model_name: str, make_config) -> int:
     from streamserve.server.app import app_runner
 
     log = logging.getLogger("streamserve")
+    try:  # the port first: a busy one is reported at once, not after the model has loaded
+        family = socket.AF_INET6 if ":" in server.host else socket.AF_INET
+        sock = socket.create_server((server.host, server.port), family=family)
+    except OSError as exc:
+        print(f"streamserve: error: cannot listen on {server.host}:{server.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 2
     engine = AsyncEngine(make_config)
     runner = app_runner(engine, server, model_name)
     await runner.setup()
     try:
-        await web.TCPSite(runner, server.host, server.port).start()
+        await web.SockSite(runner, sock).start()
         log.info("listening on http://%s:%d (GET /health says when the model is ready)",
-                 server.host, server.port)
+                 server.host, sock.getsockname()[1])
         try:
             await engine.wait_ready()
         except EngineDeadError as exc:

@@ -37,14 +37,14 @@ def parse_size(value: int | str) -> int:
     if isinstance(value, int):
         return value
     match = _SIZE_RE.match(str(value))
-    if match is None:
-        try:
+    try:
+        if match is None:
             return int(float(value))
-        except ValueError:
-            raise ValueError(f"cannot read {value!r} as a size in bytes "
-                             "(examples: 4GiB, 512MiB, 2000000000)") from None
-    unit = (match.group(2) or "").upper().rstrip("B")
-    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+        unit = (match.group(2) or "").upper().rstrip("B")
+        return int(float(match.group(1)) * _SIZE_UNITS[unit])
+    except (ValueError, OverflowError):  # not a number, or infinite
+        raise ValueError(f"cannot read {value!r} as a size in bytes "
+                         "(examples: 4GiB, 512MiB, 2000000000)") from None
 
 
 @dataclass
@@ -209,7 +209,8 @@ class ServerConfig:
     served_model_name: Optional[str] = field(default=None, metadata={
         "help": "the model name clients use (default: the --model value)"})
     api_key: Optional[str] = field(default=None, metadata={
-        "help": "require 'Authorization: Bearer KEY' on /v1 routes"})
+        "help": "require 'Authorization: Bearer KEY' on the API routes (/v1/*, /tokenize, "
+                "/detokenize; not /health, /metrics, /version or the chat page)"})
     max_n: int = field(default=16, metadata={"help": "largest n (samples per request) accepted"})
     max_request_bytes: int = field(default=4 * 1024 * 1024, metadata={
         "help": "largest request body accepted; larger ones get 413"})
@@ -227,8 +228,10 @@ class ServerConfig:
             raise ValueError(f"max_n ({self.max_n}) must be >= 1")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes ({self.max_request_bytes}) must be >= 1024")
-        if self.sse_keepalive_seconds <= 0:
+        if not self.sse_keepalive_seconds > 0:  # (nan too)
             raise ValueError(f"sse_keepalive_seconds ({self.sse_keepalive_seconds}) must be > 0")
+        if self.api_key == "":
+            raise ValueError("api_key is empty: give a key, or leave it out for no key")
 
 
 @dataclass

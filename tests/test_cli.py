@@ -59,3 +59,37 @@ def test_the_server_with_a_bad_model_exits_with_one_clear_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("streamserve: error: model")
     assert "Traceback" not in result.stderr
+
+
+def test_a_busy_port_is_one_clear_line_before_any_loading(llama_dir):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        result = run_cli("--model", llama_dir, "--port", str(s.getsockname()[1]))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("streamserve: error: cannot listen on 127.0.0.1:")
+    assert "ready: model" not in result.stderr  # the model was not loaded first
+
+
+def test_unreadable_files_and_sizes_are_one_clear_line(tmp_path, llama_dir):
+    """A truncated checkpoint or GGUF, an infinite size, an empty API key: errors that name
+    the problem (no traceback)."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    gguf_file = tmp_path / "cut.gguf"
+    gguf_file.write_bytes(b"GGUF" + bytes(996))
+    for args, message in [(("--model", str(broken)), "cannot read"),
+                          (("--model", str(gguf_file)), "cut.gguf"),
+                          (("--model", llama_dir, "--kv-cache-memory", "inf"), "as a size in bytes")]:
+        result = run_cli(*args, "--prompt", "hi")
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
+        assert result.stderr.strip().splitlines()[-1].startswith("streamserve: error:"), (args, result.stderr)
+        assert message in result.stderr.strip().splitlines()[-1], (args, result.stderr)
+    result = run_cli("--model", llama_dir, "--api-key", "")
+    assert result.returncode == 2 and "api_key is empty" in result.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from typing import Any
 
 import numpy as np
@@ -110,7 +111,28 @@ def hf_name(name: str) -> str:
 
 
 def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.bfloat16) -> str:
-    """Write the converted model into `out_dir` (replaced whole); return `out_dir`."""
+    """Write the converted model into `out_dir` (replaced whole); return `out_dir`. Written
+    first into a directory of this process's own, then moved into place: two processes
+    converting at once both end up with one whole conversion."""
+    tmp_dir = f"{out_dir}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        _write_conversion(gguf_path, tmp_dir, dtype)
+        if not is_converted(gguf_path, out_dir, dtype):  # else another process just did it
+            shutil.rmtree(out_dir, ignore_errors=True)
+            try:
+                os.replace(tmp_dir, out_dir)
+            except OSError:
+                if not is_converted(gguf_path, out_dir, dtype):
+                    raise
+    except Exception as exc:  # a truncated or odd file too: say which, in one line
+        kind = "" if isinstance(exc, ValueError) else f"{type(exc).__name__}: "
+        raise ValueError(f"cannot convert {gguf_path}: {kind}{exc}") from exc
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return out_dir
+
+
+def _write_conversion(gguf_path: str, tmp_dir: str, dtype: torch.dtype) -> None:
     import gguf
     from safetensors.torch import save_file
 
@@ -122,8 +144,6 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.bfloat
                          "streamserve does not read from GGUF yet; use the Hugging Face checkpoint")
     config = hf_config(meta, tied="output.weight" not in names, dtype=dtype)
     permuted = ARCHS[meta["general.architecture"]][2]
-    tmp_dir = out_dir + ".partial"
-    shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir)
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantizedWeight] = {}
@@ -151,9 +171,6 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.bfloat
     _convert_tokenizer(gguf_path, tmp_dir, meta)
     with open(os.path.join(tmp_dir, MARKER), "w", encoding="utf-8") as f:
         json.dump(source_stamp(gguf_path, dtype), f)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp_dir, out_dir)
-    return out_dir
 
 
 def _convert_tokenizer(gguf_path: str, out_dir: str, meta: dict[str, Any]) -> None:

@@ -32,9 +32,14 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except Exception as exc:  # safetensors' own error type: a truncated or corrupt file
+            if isinstance(exc, (ValueError, TypeError)):
+                raise
+            raise ValueError(f"cannot read {path}: {exc}") from exc
 
 
 @torch.no_grad()

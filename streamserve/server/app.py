@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import pathlib
 import time
@@ -118,8 +119,7 @@ def app_runner(engine: AsyncEngine, server: ServerConfig, model_name: str) -> we
 async def _log_when_ready(model_name: str, engine: AsyncEngine) -> None:
     try:
         await engine.wait_ready()
-    except Exception as exc:
-        logger.error("%s", exc)
+    except Exception:  # reported by /health, and by the command line, which then exits
         return
     config = engine.config
     runner = engine.engine_core.model_runner
@@ -175,7 +175,11 @@ async def models(request: web.Request) -> web.Response:
 def api_key_ok(request: web.Request, given: Optional[str] = None) -> bool:
     """True without --api-key, or when the key came as `Authorization: Bearer KEY` or `given`."""
     key = request.app[CONFIG].server.api_key
-    return key is None or given == key or request.headers.get("Authorization") == f"Bearer {key}"
+    if key is None:
+        return True
+    header = request.headers.get("Authorization", "")
+    sent = given if given is not None else header[7:] if header.startswith("Bearer ") else None
+    return sent is not None and hmac.compare_digest(sent.encode(), key.encode())  # in constant time
 
 
 def check_api_key(request: web.Request) -> None:

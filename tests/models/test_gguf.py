@@ -239,3 +239,23 @@ def test_conversion_keeps_the_blocks_as_they_are(gguf_path):
                      "self_attn.o_proj.weight": "q4_1", "mlp.up_proj.weight": "q8_0"}
     for name, w in blocks.items():
         assert torch.equal(w.dequantize(), weights[name]), name
+
+
+def test_two_processes_converting_at_once_leave_one_whole_conversion(gguf_path, tmp_path):
+    """Each writes its own directory and moves it into place (they once shared one '.partial'
+    directory and removed each other's work, leaving no weights behind a complete marker)."""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch; from streamserve.models.resolve import resolve_model; "
+              "print(resolve_model(sys.argv[1], None, torch.float32))")
+    env = {**os.environ, "STREAMSERVE_CACHE": str(tmp_path / "shared")}
+    procs = [subprocess.Popen([sys.executable, "-c", script, gguf_path], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    folder = outs[0][0].strip()
+    assert outs[1][0].strip() == folder
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(folder))
+    assert [d for d in os.listdir(os.path.dirname(folder)) if ".partial" in d] == []
+    LLM(folder, dtype="float32", kv_cache_memory="16MiB")  # it loads
