@@ -16,6 +16,7 @@ fails only the requests concerned; the thread keeps serving.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -86,9 +87,11 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine failed to load: {self.load_error}") from self.load_error
 
     async def shutdown(self) -> None:
+        """Stop the engine thread; one still loading the model (converting a GGUF, reading
+        weights) is not waited for: it is a daemon thread, and ends with the process."""
         self._stopping = True
         self._wake.set()
-        if self._thread is not None:
+        if self._thread is not None and self._ready.is_set():
             await asyncio.to_thread(self._thread.join)
 
     # -- requests (loop side) ------------------------------------------------------
@@ -147,11 +150,11 @@ class AsyncEngine:
             if not isinstance(exc, (ValueError, TypeError)):  # those already say what is wrong
                 logger.exception("engine failed to load")
             self.load_error = exc
-            self._loop.call_soon_threadsafe(self._ready.set)
+            self._signal_ready()
             return
         self.engine_core = core
         self.input_processor = InputProcessor(self.config, self.renderer, core.vocab_size)
-        self._loop.call_soon_threadsafe(self._ready.set)
+        self._signal_ready()
         while not self._stopping:
             refused = self._drain_inbox(core)
             if not core.has_unfinished_requests():
@@ -171,6 +174,12 @@ class AsyncEngine:
                 outputs = []
             self.num_steps += 1
             self._loop.call_soon_threadsafe(self._on_step, outputs, refused)
+
+    def _signal_ready(self) -> None:
+        """Loaded (or failed to): tell the loop, unless it shut down meanwhile (and is gone)."""
+        with contextlib.suppress(RuntimeError):  # the loop closed
+            if not self._stopping:
+                self._loop.call_soon_threadsafe(self._ready.set)
 
     def _drain_inbox(self, core: EngineCore) -> list[tuple[str, BaseException]]:
         refused: list[tuple[str, BaseException]] = []

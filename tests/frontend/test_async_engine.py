@@ -194,3 +194,24 @@ def test_a_failed_step_fails_its_own_requests_only(llama_dir):
     assert isinstance(first, EngineStepError) and "injected failure" in str(first)
     text, tokens, finish = second
     assert len(tokens) == 6 and finish == "length"
+
+
+def test_shutdown_does_not_wait_for_a_model_still_loading(llama_dir):
+    """Ctrl-C while the model loads (a first-use conversion can take a while) ends the server
+    at once rather than after the load."""
+    import threading
+
+    release = threading.Event()
+
+    def slow_config():
+        release.wait(60)
+        return Config.from_kwargs(model=llama_dir, dtype="float32", kv_cache_memory="16MiB")
+
+    async def main():
+        engine = AsyncEngine(slow_config)
+        engine.start()
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(engine.shutdown(), 10)  # not the 60 s the load would take
+        release.set()
+
+    asyncio.run(main())
