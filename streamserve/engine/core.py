@@ -33,7 +33,7 @@ class EngineCore:
                         self.config.model.max_model_len, self.vocab_size)
 
     def fail(self, request_ids: list[str]) -> list[str]:
-        """Abort the requests of a step that raised (returned). Scheduling registered the step's
+        """Abort (and return) the requests of a step that raised. Scheduling registered the step's
         full blocks for the prefix cache before their KV was written: none may be served, so
         every cached block is forgotten (a failed step is rare enough)."""
         self.abort_requests(request_ids)
