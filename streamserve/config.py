@@ -232,6 +232,8 @@ class ServerConfig:
             raise ValueError(f"sse_keepalive_seconds ({self.sse_keepalive_seconds}) must be > 0")
         if self.api_key == "":
             raise ValueError("api_key is empty: give a key, or leave it out for no key")
+        if self.served_model_name == "":
+            raise ValueError("served_model_name is empty: give a name, or leave it out to serve the --model value")
 
 
 @dataclass

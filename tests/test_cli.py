@@ -93,3 +93,15 @@ def test_unreadable_files_and_sizes_are_one_clear_line(tmp_path, llama_dir):
         assert message in result.stderr.strip().splitlines()[-1], (args, result.stderr)
     result = run_cli("--model", llama_dir, "--api-key", "")
     assert result.returncode == 2 and "api_key is empty" in result.stderr
+
+
+def test_flags_that_would_be_ignored_are_refused(llama_dir, tmp_path):
+    """--gguf-file names a file inside a --model directory: with a .gguf --model (or none) it
+    would be ignored; an empty --served-model-name would fall back to --model unseen."""
+    for args, message in [(("--model", str(tmp_path / "m.gguf"), "--gguf-file", "x.gguf", "--prompt", "hi"),
+                           "gguf_file 'x.gguf' names a .gguf file inside"),
+                          (("--gguf-file", "x.gguf", "--prompt", "hi"), "gguf_file 'x.gguf' names"),
+                          (("--model", llama_dir, "--served-model-name", ""), "served_model_name is empty")]:
+        result = run_cli(*args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
+        assert message in result.stderr.strip().splitlines()[-1], (args, result.stderr)

@@ -38,9 +38,12 @@ def cache_dir() -> str:
 def resolve_model(model: Optional[str], gguf_file: Optional[str], dtype: torch.dtype) -> str:
     """A local model directory for `model`, converting or fetching as needed.
     `dtype` is the dtype a GGUF is converted to (bfloat16 unless float32 is asked for)."""
-    if model is None or model == DEFAULT_MODEL:
+    path = None if model is None or model == DEFAULT_MODEL else os.path.expanduser(model)
+    if gguf_file and not (path and os.path.isdir(path)):  # it names a file in a model directory
+        raise ValueError(f"gguf_file {gguf_file!r} names a .gguf file inside the --model directory, "
+                         f"but the model is {model or DEFAULT_MODEL!r}, not a directory")
+    if path is None:
         return _convert_once(default_gguf_path(), DEFAULT_MODEL, dtype)
-    path = os.path.expanduser(model)
     if os.path.isdir(path):
         if gguf_file or not os.path.isfile(os.path.join(path, "config.json")):
             return _convert_once(_gguf_in_dir(path, gguf_file), None, dtype)
