@@ -13,11 +13,7 @@ import sys
 import typing
 from typing import Any, Optional
 
-from streamserve.config import (CacheConfig, Config, DeviceConfig, ModelConfig,
-                                SchedulerConfig, ServerConfig)
-
-_PART_CLASSES = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                 "device": DeviceConfig, "server": ServerConfig}
+from streamserve.config import Config, ServerConfig
 
 
 def _scalar_type(hint: Any) -> type:
@@ -30,7 +26,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per Config field, grouped by part."""
     for part, fields in Config.part_fields().items():
         group = parser.add_argument_group(f"{part} settings")
-        hints = typing.get_type_hints(_PART_CLASSES[part])
+        hints = typing.get_type_hints(Config.part_classes()[part])
         for f in fields:
             flag = "--" + f.name.replace("_", "-")
             kind = _scalar_type(hints[f.name])

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -250,28 +251,52 @@ class Config:
     def served_model_name(self) -> str:
         return self.server.served_model_name or self.model.source or self.model.model
 
+    @staticmethod
+    def part_classes() -> dict[str, type]:
+        return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                "device": DeviceConfig, "server": ServerConfig}
+
     @classmethod
     def part_fields(cls) -> dict[str, list[dataclasses.Field]]:
         """The user-settable fields of each part, in declaration order."""
-        parts = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                 "device": DeviceConfig, "server": ServerConfig}
         return {name: [f for f in dataclasses.fields(kind) if f.metadata.get("cli", True)]
-                for name, kind in parts.items()}
+                for name, kind in cls.part_classes().items()}
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "Config":
         """Route each keyword to the part that owns the field of that name."""
         per_part: dict[str, dict[str, Any]] = {name: {} for name in cls.PARTS}
         owner = {f.name: part for part, fields in cls.part_fields().items() for f in fields}
+        hints = {name: hint for part in cls.PARTS
+                 for name, hint in typing.get_type_hints(cls.part_classes()[part]).items()}
         for key, value in kwargs.items():
             if key not in owner:
                 raise TypeError(f"unknown setting {key!r}; known settings: {', '.join(sorted(owner))}")
+            if key == "dtype" and isinstance(value, torch.dtype):  # as vLLM takes it
+                value = str(value).removeprefix("torch.")
+            _check_type(key, value, hints[key])
             per_part[owner[key]][key] = value
         return cls(model=ModelConfig(**per_part["model"]),
                    cache=CacheConfig(**per_part["cache"]),
                    scheduler=SchedulerConfig(**per_part["scheduler"]),
                    device=DeviceConfig(**per_part["device"]),
                    server=ServerConfig(**per_part["server"]))
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    """An LLM(...) keyword of the wrong type, named here rather than failing deep in a
+    comparison (the command line's flags are typed already). A size takes an int too."""
+    args = typing.get_args(hint)
+    kinds = tuple(a for a in args if a is not type(None)) or (hint,)
+    if value is None and type(None) in args or not all(isinstance(k, type) for k in kinds):
+        return
+    kinds += (int,) if float in kinds or name in _SIZE_FIELDS else ()
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join(dict.fromkeys(k.__name__ for k in kinds))
+        raise TypeError(f"{name} must be {names}{' or None' if type(None) in args else ''}, got {value!r}")
+
+
+_SIZE_FIELDS = {"kv_cache_memory"}  # parse_size reads an int or a string
 
 
 def _available_ram_bytes() -> int:

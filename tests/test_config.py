@@ -326,3 +326,16 @@ def test_kernel_backend_defaults_and_checks(monkeypatch):
         DeviceConfig(device="cpu", kernel_backend="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert DeviceConfig(device="cpu", kernel_backend="triton", enforce_eager=True).kernel_backend == "triton"
+
+
+def test_keywords_of_the_wrong_type_are_named(model_dir):
+    """LLM(...) keywords arrive unchecked by argparse: a wrong type is a TypeError naming the
+    setting, not one from deep inside a comparison; a torch dtype is taken as vLLM takes it."""
+    for kwargs, message in [({"block_size": "16"}, "block_size must be int, got '16'"),
+                            ({"max_num_seqs": None}, "max_num_seqs must be int"),
+                            ({"seed": None}, "seed must be int"), ({"device": None}, "device must be str"),
+                            ({"kv_cache_memory": 1.5}, "kv_cache_memory must be str or int or None")]:
+        with pytest.raises(TypeError, match=message):
+            Config.from_kwargs(model=model_dir, **kwargs)
+    assert Config.from_kwargs(model=model_dir, dtype=torch.float32).model.dtype == "float32"
+    assert Config.from_kwargs(model=model_dir, kv_cache_memory=1 << 20, gpu_memory_utilization=1).cache
