@@ -259,3 +259,14 @@ def test_two_processes_converting_at_once_leave_one_whole_conversion(gguf_path, 
     assert {"config.json", "model.safetensors"} <= set(os.listdir(folder))
     assert [d for d in os.listdir(os.path.dirname(folder)) if ".partial" in d] == []
     LLM(folder, dtype="float32", kv_cache_memory="16MiB")  # it loads
+
+
+def test_a_conversion_removes_what_killed_ones_left(gguf_path, tmp_path):
+    from streamserve.models.gguf_convert import convert_gguf
+
+    out = tmp_path / "model"
+    dead, running = tmp_path / "model.partial-999999999-abcd", tmp_path / f"model.partial-{os.getpid()}-ef01"
+    for d in (dead, running, tmp_path / "model.partial"):
+        d.mkdir()
+    convert_gguf(gguf_path, str(out), torch.float32)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", running.name]
