@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Callable
+
 from aiohttp import web
 
 from streamserve.config import Config
@@ -20,3 +23,12 @@ async def start(model_dir: str, **settings) -> tuple[web.AppRunner, AsyncEngine,
     port = site._server.sockets[0].getsockname()[1]
     await engine.wait_ready()
     return runner, engine, f"http://127.0.0.1:{port}"
+
+
+def held_config(model_dir: str, release: threading.Event, seconds: float) -> Callable[[], Config]:
+    """An AsyncEngine config builder that first waits (up to `seconds`) for `release`: a model
+    still being resolved or loaded."""
+    def build() -> Config:
+        release.wait(seconds)
+        return Config.from_kwargs(model=model_dir, dtype="float32", kv_cache_memory="16MiB")
+    return build

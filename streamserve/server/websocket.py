@@ -50,6 +50,12 @@ class _Socket:
     async def error(self, request_id: Optional[str], exc: APIError) -> None:
         await self.send({"type": "error", "id": request_id, **exc.body()})
 
+    async def internal_error(self, request_id: Optional[str], what: str) -> None:
+        """A frame broke something unforeseen (the exception being handled): logged, and the
+        client told, under the request's id where it has one; the socket stays open."""
+        logger.exception("unhandled error on %s", what)
+        await self.error(request_id, APIError(500, "internal server error", type="server_error"))
+
     async def handle(self, raw: str) -> None:
         try:
             frame = parse_json(raw)
@@ -89,8 +95,7 @@ class _Socket:
         except APIError as exc:
             return await self.error(request_id, exc)
         except Exception:  # the request's own failure: its id, so the client can end it
-            logger.exception("unhandled error starting websocket request %r", request_id)
-            return await self.error(request_id, APIError(500, "internal server error", type="server_error"))
+            return await self.internal_error(request_id, f"starting websocket request {request_id!r}")
         self.tasks[request_id] = asyncio.create_task(self.run(request_id, call))
 
     async def run(self, request_id: str, call: _Call) -> None:
@@ -142,9 +147,8 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
             elif msg.type == WSMsgType.TEXT:
                 try:
                     await sock.handle(msg.data)
-                except Exception:  # a frame that broke something: its own error, the socket stays
-                    logger.exception("unhandled error on a websocket frame")
-                    await sock.error(None, APIError(500, "internal server error", type="server_error"))
+                except Exception:
+                    await sock.internal_error(None, "a websocket frame")
     finally:
         await sock.close()
     return ws

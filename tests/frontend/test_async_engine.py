@@ -201,14 +201,12 @@ def test_shutdown_does_not_wait_for_a_model_still_loading(llama_dir):
     at once rather than after the load."""
     import threading
 
+    from live_server import held_config
+
     release = threading.Event()
 
-    def slow_config():
-        release.wait(60)
-        return Config.from_kwargs(model=llama_dir, dtype="float32", kv_cache_memory="16MiB")
-
     async def main():
-        engine = AsyncEngine(slow_config)
+        engine = AsyncEngine(held_config(llama_dir, release, 60))
         engine.start()
         await asyncio.sleep(0.1)
         await asyncio.wait_for(engine.shutdown(), 10)  # not the 60 s the load would take

@@ -10,8 +10,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from live_server import start
-from streamserve.config import Config
+from live_server import held_config, start
 from streamserve.frontend.async_engine import AsyncEngine
 from streamserve.server.app import app_runner
 
@@ -228,12 +227,8 @@ def test_health_says_loading_until_the_model_is_resolved_and_loaded(llama_dir):
 
     release = threading.Event()
 
-    def slow_config():
-        release.wait(30)
-        return Config.from_kwargs(model=llama_dir, dtype="float32", kv_cache_memory="16MiB")
-
     async def main():
-        engine = AsyncEngine(slow_config)
+        engine = AsyncEngine(held_config(llama_dir, release, 30))
         runner = app_runner(engine, ServerConfig(), "tiny")
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
