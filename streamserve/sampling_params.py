@@ -8,6 +8,14 @@ from typing import Optional, Union
 MAX_LOGPROBS = 20
 
 
+class ParamError(ValueError):
+    """A setting the engine cannot run with; `param` names it (the API's error "param")."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -36,43 +44,43 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(_is_token_id(t) for t in self.stop_token_ids or ()):
-            raise ValueError("stop_token_ids must be non-negative integers")
+            raise ParamError("stop_token_ids must be non-negative integers", "stop_token_ids")
         self.stop_token_set = frozenset(self.stop_token_ids or ())
         self._validate()
 
     def _validate(self) -> None:
-        checks = [
-            (self.n >= 1, f"n must be >= 1, got {self.n}"),
+        checks = [  # (holds, the field it is about, the message if not)
+            (self.n >= 1, "n", f"n must be >= 1, got {self.n}"),
             (self.seed is None or (isinstance(self.seed, int) and -2 ** 63 <= self.seed < 2 ** 64),
-             f"seed must be in [-2^63, 2^64) (a 64-bit integer), got {self.seed}"),
+             "seed", f"seed must be in [-2^63, 2^64) (a 64-bit integer), got {self.seed}"),
             (-2.0 <= self.presence_penalty <= 2.0,
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+             "presence_penalty", f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2.0 <= self.frequency_penalty <= 2.0,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+             "frequency_penalty", f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (self.repetition_penalty > 0.0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}"),
-            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}"),
+             "repetition_penalty", f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.temperature >= 0.0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0 or self.top_k == -1,
-             f"top_k must be 0 or -1 (off) or a positive count, got {self.top_k}"),
-            (0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}"),
+             "top_k", f"top_k must be 0 or -1 (off) or a positive count, got {self.top_k}"),
+            (0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
             (self.max_tokens is None or self.max_tokens >= 1,
-             f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+             "max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
+             "min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+             "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop_list),
-             "stop must be a non-empty string or a list of non-empty strings"),
+             "stop", "stop must be a non-empty string or a list of non-empty strings"),
             (self.logit_bias is None or all(
                 _is_token_id(t) and isinstance(b, (int, float)) and -100 <= b <= 100
                 for t, b in self.logit_bias.items()),
-             "logit_bias must map token IDs (non-negative integers) to biases in [-100, 100]"),
+             "logit_bias", "logit_bias must map token IDs (non-negative integers) to biases in [-100, 100]"),
         ]
-        for ok, message in checks:
+        for ok, param, message in checks:
             if not ok:
-                raise ValueError(message)
+                raise ParamError(message, param)
 
     @property
     def greedy(self) -> bool:

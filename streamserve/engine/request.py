@@ -13,7 +13,7 @@ import time
 from typing import NamedTuple, Optional
 
 from streamserve.engine.scheduler_output import TokenLogprobs
-from streamserve.sampling_params import SamplingParams
+from streamserve.sampling_params import ParamError, SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -69,17 +69,17 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams,
     """Refuse what the engine cannot run, with the numbers in the message."""
     n = len(prompt_token_ids)
     if n == 0:
-        raise ValueError("the prompt is empty: give at least one token")
+        raise ParamError("the prompt is empty: give at least one token", "prompt")
     if n >= max_model_len:
-        raise ValueError(f"the prompt has {n} tokens, but max_model_len is {max_model_len}: "
-                         "there is no room to generate")
+        raise ParamError(f"the prompt has {n} tokens, but max_model_len is {max_model_len}: "
+                         "there is no room to generate", "prompt")
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt token ID {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        raise ParamError(f"prompt token ID {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
     for field, ids in (("stop_token_ids", params.stop_token_set), ("logit_bias", params.logit_bias or ())):
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            raise ValueError(f"{field}: {bad[0]} is outside the vocabulary [0, {vocab_size})")
+            raise ParamError(f"{field}: {bad[0]} is outside the vocabulary [0, {vocab_size})", field)
 
 
 class Request:

@@ -26,6 +26,7 @@ import streamserve
 from streamserve.config import ServerConfig
 from streamserve.frontend.async_engine import AsyncEngine
 from streamserve.outputs import Logprob, RequestOutput
+from streamserve.sampling_params import ParamError
 from streamserve.server import protocol
 from streamserve.server.metrics import Metrics
 from streamserve.server.protocol import APIError, bad_request
@@ -307,10 +308,8 @@ class _Call:
                               f"({max_model_len})", "max_tokens")
         try:
             self.engine.input_processor.validate(self.prompt_ids, self.params)
-        except ValueError as exc:
-            field = str(exc).split(":", 1)[0]
-            raise bad_request(str(exc), field if field in ("stop_token_ids", "logit_bias")
-                              else "prompt" if not chat else "messages") from None
+        except ParamError as exc:  # a chat's prompt is its messages
+            raise bad_request(str(exc), "messages" if chat and exc.param == "prompt" else exc.param) from None
         if self.echo and self.prompt_text is None:  # token IDs, valid by now
             self.prompt_text = self.engine.tokenizer.decode(self.prompt_ids)
 

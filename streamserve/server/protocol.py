@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from streamserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from streamserve.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
 
 
 class APIError(Exception):
@@ -78,9 +78,8 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
         raise bad_request(f"'n' must be at most {max_n}", "n")
     try:
         return SamplingParams(**kwargs)
-    except (ValueError, TypeError) as exc:
-        message = str(exc)
-        raise bad_request(message, message.split(" ", 1)[0]) from None
+    except ParamError as exc:
+        raise bad_request(str(exc), exc.param) from None
 
 
 def logprobs_setting(body: dict[str, Any], chat: bool) -> Optional[int]:

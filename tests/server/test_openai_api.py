@@ -237,6 +237,9 @@ def test_more_bad_requests_are_400_with_the_field_named(server):
              ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
              ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
              ({"prompt": "hi", "logit_bias": {"1000000": 1}}, "logit_bias"),
+             ({"prompt": "hi", "top_p": 0}, "top_p"), ({"prompt": "hi", "min_p": 2}, "min_p"),
+             ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+             ({"prompt": [10 ** 6]}, "prompt"),
              # what the server cannot honour is refused, not quietly ignored
              ({"prompt": "hi", "suffix": "end"}, "suffix"), ({"prompt": "hi", "best_of": 3}, "best_of")]
     for body, param in cases:
@@ -245,6 +248,8 @@ def test_more_bad_requests_are_400_with_the_field_named(server):
     user = [{"role": "user", "content": "x"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     for body, param in [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+                        ({"messages": [{"role": "user", "content": "x " * 5000}]}, "messages"),
+                        ({"logit_bias": {"1000000": -1}}, "logit_bias"),
                         ({"response_format": {"type": "json_object"}}, "response_format"),
                         ({"tools": [tool]}, "tool_choice"), ({"tools": [tool], "tool_choice": "required"}, "tool_choice")]:
         status, error = post(server + "/v1/chat/completions", {"messages": user, **body})
