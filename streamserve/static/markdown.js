@@ -4,7 +4,8 @@
 // document.createTextNode. Nothing here parses HTML, so `<img onerror=...>` or `<script>`
 // in a reply is shown as the characters it is. The subset: paragraphs, headings, fenced
 // code blocks (monospace, with a copy button), inline code, bold, italics, and bulleted
-// or numbered lists. An unclosed fence (a reply still streaming) renders as a code block.
+// or numbered lists, nested by indentation. An unclosed fence (a reply still streaming)
+// renders as a code block.
 
 // A fence: three or more backticks or tildes, then an info string whose first word names
 // the language (```js title="a.js"); it closes at a line of the same character, at least as
@@ -81,12 +82,34 @@ function paragraph(lines) {
   return p;
 }
 
+// A list item (ITEM's match, its line indented by `indent` spaces) into the open `lists`:
+// indented two or more past the innermost list's items, it opens a list inside the last
+// item; less indented, it closes lists until one is at its depth.
+function addItem(lists, out, item, indent) {
+  while (lists.length && indent < lists[lists.length - 1].indent) lists.pop();
+  const ordered = /\d/.test(item[1]);
+  let top = lists[lists.length - 1];
+  if (top && indent >= top.indent + 2) {
+    top = null;
+  } else if (top && top.ordered !== ordered) {
+    lists.pop();
+    top = null;
+  }
+  if (!top) {
+    const parent = lists.length ? lists[lists.length - 1].node.lastChild : out;
+    top = { node: parent.appendChild(el(ordered ? "ol" : "ul")), ordered, indent };
+    if (ordered && parseInt(item[1], 10) !== 1) top.node.start = parseInt(item[1], 10);
+    lists.push(top);
+  }
+  renderInline(item[2], top.node.appendChild(el("li")));
+}
+
 // `text` as a DocumentFragment of block elements.
 export function renderMarkdown(text) {
   const out = document.createDocumentFragment();
   const lines = text.replace(/\r\n?/g, "\n").split("\n");
   let para = [];
-  let list = null; // {node, ordered}
+  let lists = []; // the open lists, outermost first: {node, ordered, indent}
   const flush = () => {
     if (para.length) out.appendChild(paragraph(para));
     para = [];
@@ -96,7 +119,7 @@ export function renderMarkdown(text) {
     const fence = FENCE.exec(line);
     if (fence) {
       flush();
-      list = null;
+      lists = [];
       const body = [];
       for (i++; i < lines.length && !closesFence(lines[i], fence[1]); i++) body.push(lines[i]);
       out.appendChild(codeBlock(fence[2], body.join("\n")));
@@ -105,21 +128,16 @@ export function renderMarkdown(text) {
     const item = ITEM.exec(line);
     if (item) {
       flush();
-      const ordered = /\d/.test(item[1]);
-      if (!list || list.ordered !== ordered) {
-        list = { node: out.appendChild(el(ordered ? "ol" : "ul")), ordered };
-        if (ordered && parseInt(item[1], 10) !== 1) list.node.start = parseInt(item[1], 10);
-      }
-      renderInline(item[2], list.node.appendChild(el("li")));
+      addItem(lists, out, item, /^\s*/.exec(line)[0].replace(/\t/g, "    ").length);
       continue;
     }
-    if (list && /^\s{2,}\S/.test(line)) { // an indented line continues the list item
-      const li = list.node.lastChild;
+    if (lists.length && /^\s{2,}\S/.test(line)) { // an indented line continues the list item
+      const li = lists[lists.length - 1].node.lastChild;
       li.appendChild(el("br"));
       renderInline(line.trim(), li);
       continue;
     }
-    list = null;
+    lists = [];
     const heading = HEADING.exec(line);
     if (heading) {
       flush();

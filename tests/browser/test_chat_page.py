@@ -436,6 +436,23 @@ def test_code_fences_as_commonmark_reads_them(server, open_page):
     assert blocks["strong"] == ["done"] and blocks["paragraphs"] == ["After done.", "end"]
 
 
+def test_lists_nest_by_indentation(server, open_page):
+    """An item indented two or more past its list's items opens a list inside the item
+    above it; a less indented one returns to the list at its depth; a new kind of marker at
+    the same depth starts a new list; an indented plain line continues the item."""
+    page = open_page(server)
+    html = page.evaluate("""async () => {
+        const { renderMarkdown } = await import("/static/markdown.js");
+        const text = "1. fruit\\n   - apple\\n   - pear\\n     ripe\\n      * soft\\n2. veg\\n\\t- leek\\n" +
+                     "3. end\\n- other";
+        const root = document.createElement("div");
+        root.appendChild(renderMarkdown(text));
+        return root.innerHTML;
+    }""")
+    assert html == ('<ol><li>fruit<ul><li>apple</li><li>pear<br>ripe<ul><li>soft</li></ul></li></ul></li>'
+                    '<li>veg<ul><li>leek</li></ul></li><li>end</li></ol><ul><li>other</li></ul>')
+
+
 def test_two_tabs_keep_each_others_conversations(server, open_page):
     """Tab A's reply streams (its end held back) while tab B starts and finishes another
     chat; when A's reply ends and A saves, B's chat is still stored."""
@@ -476,7 +493,7 @@ def test_a_growing_reply_renders_as_the_whole_does_keeping_what_is_settled(serve
     result = page.evaluate("""async () => {
         const { renderAll, renderGrowing } = await import("/static/markdown.js");
         const text = "# Title\\n\\nSome **bold** text\\nand more.\\n\\n- one\\n- two\\n  more of two\\n\\n" +
-                     "```py\\nx = 1\\n\\ny = 2\\n```\\n\\n1. first\\n\\n3. third\\n\\n~~~\\nopen fence, blank:\\n\\n" +
+                     "```py\\nx = 1\\n\\ny = 2\\n```\\n\\n1. first\\n  - inner\\n    - deeper\\n\\n3. third\\n\\n~~~\\nopen fence, blank:\\n\\n" +
                      "still code\\n~~~\\nlast *words*";
         const growing = document.createElement("div"), whole = document.createElement("div");
         let firstNode = null, kept = true;
