@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 from aiohttp import web
@@ -23,6 +24,21 @@ async def start(model_dir: str, **settings) -> tuple[web.AppRunner, AsyncEngine,
     port = site._server.sockets[0].getsockname()[1]
     await engine.wait_ready()
     return runner, engine, f"http://127.0.0.1:{port}"
+
+
+def record_aborts(engine: AsyncEngine) -> list[str]:
+    """The IDs of the requests the engine core aborts from now on (filled as it does)."""
+    core, aborted = engine.engine_core, []
+    abort = core.abort_requests
+    core.abort_requests = lambda ids: (aborted.extend(ids), abort(ids))
+    return aborted
+
+
+def slow_steps(engine: AsyncEngine, seconds: float) -> None:
+    """Make each engine step take at least `seconds` longer (requests that run a while)."""
+    core = engine.engine_core
+    step = core.step
+    core.step = lambda: time.sleep(seconds) or step()
 
 
 def held_config(model_dir: str, release: threading.Event, seconds: float) -> Callable[[], Config]:

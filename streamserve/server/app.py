@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import pathlib
 import time
 import uuid
-from typing import Any, AsyncIterator, NamedTuple, Optional
+from typing import Any, AsyncIterator, Iterable, NamedTuple, Optional, TypeVar
 
 import orjson
 from aiohttp import web
@@ -31,6 +32,7 @@ from streamserve.server import protocol
 from streamserve.server.metrics import Metrics
 from streamserve.server.protocol import APIError, bad_request
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 class Serving(NamedTuple):
@@ -272,7 +274,9 @@ def _top_by_text(entry: dict[int, Logprob]) -> dict[str, float]:
 
 
 class _Call:
-    """One request on its way: its prompt, params, and how to shape its chunks."""
+    """One request on its way: its prompts (a completions batch has several; choice
+    p * n + k is sample k of prompt p, as vLLM numbers them), params, and how to shape
+    its chunks."""
 
     def __init__(self, request: web.Request, body: dict[str, Any], chat: bool) -> None:
         serving = request.app[CONFIG]
@@ -286,37 +290,58 @@ class _Call:
         protocol.refuse_unsupported(body)
         self.stream, self.include_usage = protocol.stream_options(body)
         self.keepalive = serving.server.sse_keepalive_seconds
+        # (text or None, token IDs) per prompt
+        self.prompts: list[tuple[Optional[str], list[int]]] = []
         if chat:
             messages = protocol.chat_messages(body)
             try:
-                self.prompt_ids = self.engine.renderer.encode_chat(messages)
+                self.prompts.append((None, self.engine.renderer.encode_chat(messages)))
             except ValueError as exc:
                 raise bad_request(str(exc), "messages") from None
-            self.prompt_text = None
         else:
-            prompt = protocol.completion_prompt(body)
-            self.prompt_text = prompt if isinstance(prompt, str) else None
-            self.prompt_ids = self.engine.renderer.encode(prompt) if isinstance(prompt, str) else prompt
+            for prompt in protocol.completion_prompts(body):
+                self.prompts.append((prompt, self.engine.renderer.encode(prompt)) if isinstance(prompt, str)
+                                    else (None, prompt))
         self.echo = protocol.echo_setting(body, chat)
-        room = max_model_len - len(self.prompt_ids)
         self.params = protocol.sampling_params(body, serving.server.max_n,
                                                default_max_tokens=None if chat else 16,
                                                logprobs=protocol.logprobs_setting(body, chat))
-        if self.params.max_tokens is not None and self.params.max_tokens > room:
-            raise bad_request(f"the prompt has {len(self.prompt_ids)} tokens and max_tokens is "
-                              f"{self.params.max_tokens}: together they exceed max_model_len "
-                              f"({max_model_len})", "max_tokens")
-        try:
-            self.engine.input_processor.validate(self.prompt_ids, self.params)
-        except ParamError as exc:  # a chat's prompt is its messages
-            raise bad_request(str(exc), "messages" if chat and exc.param == "prompt" else exc.param) from None
-        if self.echo and self.prompt_text is None:  # token IDs, valid by now
-            self.prompt_text = self.engine.tokenizer.decode(self.prompt_ids)
+        self.num_choices = len(self.prompts) * self.params.n
+        for p, (text, ids) in enumerate(self.prompts):
+            which = f"prompt {p} of the batch: " if len(self.prompts) > 1 else ""
+            if self.params.max_tokens is not None and self.params.max_tokens > max_model_len - len(ids):
+                raise bad_request(f"{which}the prompt has {len(ids)} tokens and max_tokens is "
+                                  f"{self.params.max_tokens}: together they exceed max_model_len "
+                                  f"({max_model_len})", "max_tokens")
+            try:
+                self.engine.input_processor.validate(ids, self.params)
+            except ParamError as exc:  # a chat's prompt is its messages
+                raise bad_request(which + str(exc),
+                                  "messages" if chat and exc.param == "prompt" else exc.param) from None
+            if self.echo and text is None:  # token IDs, valid by now
+                self.prompts[p] = (self.engine.tokenizer.decode(ids), ids)
+
+    def prompt_text(self, choice: int) -> Optional[str]:
+        return self.prompts[choice // self.params.n][0]
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
-        """The engine's deltas, observed for /metrics on the way through."""
-        tracker = self.metrics.tracker(len(self.prompt_ids))
-        generate = self.engine.generate(self.prompt_ids, self.params, prompt=self.prompt_text)
+        """The engine's deltas for every prompt as they come (observed for /metrics on the
+        way through), their choices numbered across the batch."""
+        n = self.params.n
+        streams = [self._observed(text, ids) for text, ids in self.prompts]
+        if len(streams) == 1:
+            async with contextlib.aclosing(streams[0]) as deltas:
+                async for delta in deltas:
+                    yield delta
+            return
+        async with contextlib.aclosing(merged(streams)) as deltas:
+            async for p, delta in deltas:
+                delta.outputs = [dataclasses.replace(s, index=p * n + s.index) for s in delta.outputs]
+                yield delta
+
+    async def _observed(self, text: Optional[str], ids: list[int]) -> AsyncIterator[RequestOutput]:
+        tracker = self.metrics.tracker(len(ids))
+        generate = self.engine.generate(ids, self.params, prompt=text)
         async with contextlib.aclosing(generate) as deltas:
             async for delta in deltas:
                 tracker.observe(delta)
@@ -348,7 +373,7 @@ class _Call:
                 "text_offset": offsets}
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
-        prompt = len(self.prompt_ids)
+        prompt = sum(len(ids) for _, ids in self.prompts)
         return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
                 "total_tokens": prompt + completion_tokens}
 
@@ -364,7 +389,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
     if call.stream:
         return await _stream(request, call)
-    n = call.params.n
+    n = call.num_choices
     texts, finish, tokens = [""] * n, [None] * n, [0] * n
     logprobs: list[Optional[list]] = [None if call.params.logprobs is None else [] for _ in range(n)]
     async with contextlib.aclosing(call.outputs()) as outputs:
@@ -381,12 +406,45 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
                    for i in range(n)]
         kind = "chat.completion"
     else:
-        echo = call.prompt_text if call.echo else ""
-        choices = [{"index": i, "text": echo + texts[i], "logprobs": call.logprobs(logprobs[i], 0),
+        choices = [{"index": i, "text": (call.prompt_text(i) if call.echo else "") + texts[i],
+                    "logprobs": call.logprobs(logprobs[i], 0),
                     "finish_reason": finish[i]} for i in range(n)]
         kind = "text_completion"
     return json_response({"id": call.id, "object": kind, "created": call.created,
                           "model": call.model, "choices": choices, "usage": call.usage(sum(tokens))})
+
+
+async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """The items of several streams as each comes, with its stream's position. Closing this
+    (or an error in one) closes every stream."""
+    pending = {asyncio.ensure_future(anext(stream)): k for k, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                k = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(streams[k]))] = k
+                yield k, item
+    finally:  # first let the reads in flight end, then close the streams
+        await _settle(pending)
+        for stream in streams:
+            await stream.aclose()
+
+
+async def _settle(tasks: Iterable[asyncio.Future]) -> None:
+    """Cancel these reads and wait for them to end; an error in one is not news."""
+    tasks = list(tasks)
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()
 
 
 async def _with_keepalive(outputs: AsyncIterator[RequestOutput], every: float,
@@ -407,23 +465,20 @@ async def _with_keepalive(outputs: AsyncIterator[RequestOutput], every: float,
             yield item
             pending = asyncio.ensure_future(anext(outputs))
     finally:  # `outputs` may be closed next: first let the read in flight end
-        pending.cancel()
-        await asyncio.wait({pending})
-        if not pending.cancelled():
-            pending.exception()  # retrieved: an error here is not news
+        await _settle([pending])
 
 
 async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[str, Any]]:
     """The stream's chunk objects, as OpenAI sends them: the role first (chat), the text
     deltas, one finish_reason per choice, then the usage chunk when asked for."""
     completion_tokens = 0
-    text_offsets = [0] * call.params.n
+    text_offsets = [0] * call.num_choices
     if call.chat:  # the first chunk of each choice carries the role
         yield call.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                           "logprobs": None, "finish_reason": None} for i in range(call.params.n)])
+                           "logprobs": None, "finish_reason": None} for i in range(call.num_choices)])
     elif call.echo:  # echo: the prompt comes first
-        yield call.chunk([{"index": i, "text": call.prompt_text, "logprobs": None, "finish_reason": None}
-                          for i in range(call.params.n)])
+        yield call.chunk([{"index": i, "text": call.prompt_text(i), "logprobs": None, "finish_reason": None}
+                          for i in range(call.num_choices)])
     async for delta in outputs:
         choices = []
         for s in delta.outputs:

@@ -149,20 +149,26 @@ def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage", False))
 
 
-def completion_prompt(body: dict[str, Any]) -> str | list[int]:
+def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """The completions 'prompt': a string, a list of token IDs, or a batch (a list of
+    strings or of token-ID lists), each prompt as a string or its token IDs."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt wrapped in a list; batches are not taken here
-    if isinstance(prompt, str):
-        if not prompt:
-            raise bad_request("'prompt' is empty", "prompt")
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                   for t in prompt):
-        return prompt
-    if prompt is None or prompt == []:
+    if isinstance(prompt, str) or _is_ids(prompt):
+        batch = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        batch = prompt
+    elif prompt is None or prompt == []:
         raise bad_request("'prompt' is required and must not be empty", "prompt")
-    raise bad_request("'prompt' must be a string or a list of token IDs (one prompt per request)", "prompt")
+    else:
+        raise bad_request("'prompt' must be a string, a list of token IDs, or a list of either", "prompt")
+    if not all(batch):
+        raise bad_request("'prompt' is empty" if len(batch) == 1 else "a prompt in the batch is empty", "prompt")
+    return batch
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:

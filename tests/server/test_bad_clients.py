@@ -8,11 +8,10 @@ import contextlib
 import json
 import logging
 import shutil
-import time
 
 import aiohttp
 
-from live_server import start
+from live_server import record_aborts, slow_steps, start
 
 
 def long_body(**extra) -> dict:
@@ -143,18 +142,19 @@ def test_echo_of_token_ids_out_of_range_is_a_400(llama_dir):
 def test_a_request_that_is_not_streamed_is_aborted_when_its_client_leaves(llama_dir):
     async def main():
         runner, engine, url = await start(llama_dir)
+        slow_steps(engine, 0.005)  # its 400 tokens take at least 2 s
+        aborted = record_aborts(engine)
         async with aiohttp.ClientSession() as session:
             with contextlib.suppress(asyncio.TimeoutError):
-                await session.post(url + "/v1/completions", json=long_body(max_tokens=2000, n=4),
+                await session.post(url + "/v1/completions", json=long_body(max_tokens=400, n=4),
                                    timeout=aiohttp.ClientTimeout(total=0.5))
         left = await settle(engine)
-        steps = engine.num_steps
         await runner.cleanup()
-        return left, steps
+        return left, aborted
 
-    (free, total, busy), steps = asyncio.run(main())
+    (free, total, busy), aborted = asyncio.run(main())
     assert free == total and not busy
-    assert steps < 1000  # aborted, not run to its 2000 tokens
+    assert len(set(aborted)) == 4  # every sample aborted, none ran to its end
 
 
 def test_leaving_a_stream_that_only_had_keepalives_aborts_it_quietly(llama_dir, caplog):
@@ -163,9 +163,7 @@ def test_leaving_a_stream_that_only_had_keepalives_aborts_it_quietly(llama_dir, 
     running while the outputs were closed under it)."""
     async def main():
         runner, engine, url = await start(llama_dir, max_num_seqs=1, sse_keepalive_seconds=0.05)
-        core = engine.engine_core
-        step = core.step
-        core.step = lambda: time.sleep(0.005) or step()  # the busy request holds the one slot a while
+        slow_steps(engine, 0.005)  # the busy request holds the one slot a while
         async with aiohttp.ClientSession() as session:
             busy = asyncio.ensure_future(session.post(url + "/v1/completions", json=long_body(max_tokens=200)))
             await asyncio.sleep(0.2)
@@ -213,3 +211,30 @@ def test_only_the_servers_own_pages_may_open_its_websocket(llama_dir):
         assert results[allowed, None] == "chunk" and results[allowed, "https://evil.example"] == 403
     assert results[None, "https://chat.example"] == 403
     assert results["https://chat.example, http://other:9", "https://chat.example"] == "chunk"
+
+
+def test_leaving_a_batch_aborts_every_prompt_in_it(llama_dir, caplog):
+    """A completions batch (3 prompts, n=2) whose client leaves after the first chunk, streamed
+    or not: all six samples are aborted and their blocks freed, with no error logged."""
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        slow_steps(engine, 0.005)
+        aborted = record_aborts(engine)
+        batch = long_body(prompt=["hello " * 10, "world " * 12, [5, 6, 7]], n=2, max_tokens=400)
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json={**batch, "stream": True}) as stream:
+                assert stream.status == 200 and (await stream.content.readline()).startswith(b"data: {")
+                stream.close()
+            left_streamed, num_streamed = await settle(engine), len(set(aborted))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await session.post(url + "/v1/completions", json=batch, timeout=aiohttp.ClientTimeout(total=0.5))
+            left = await settle(engine)
+        await runner.cleanup()
+        return left_streamed, left, num_streamed, len(set(aborted))
+
+    with caplog.at_level(logging.ERROR):
+        left_streamed, left, num_streamed, num_aborted = asyncio.run(main())
+    for free, total, busy in (left_streamed, left):
+        assert free == total and not busy
+    assert (num_streamed, num_aborted) == (6, 12)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text

@@ -107,6 +107,40 @@ def test_n_samples_and_stop(client):
     assert stopped.choices[0].finish_reason == "stop"
 
 
+def test_a_batch_of_prompts_numbers_its_choices_prompt_by_prompt(client, offline):
+    """A completions batch (strings and token-ID lists) with n=2: choice p * 2 + k is sample
+    k of prompt p, each as the prompt alone gives it; usage counts every prompt; streamed,
+    the same texts, echo per choice, each choice finishing once."""
+    ids = offline.get_tokenizer().encode("A long time ago")
+    prompts = ["The quick brown fox", ids, "Once"]
+    kwargs = dict(model="tiny", max_tokens=6, temperature=0, n=2)
+    whole = client.completions.create(prompt=prompts, **kwargs)
+    alone = [client.completions.create(prompt=p, **kwargs) for p in prompts]
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.text for c in whole.choices] == [c.text for a in alone for c in a.choices]
+    assert whole.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    texts, finishes, usage = [""] * 6, [0] * 6, None
+    for chunk in client.completions.create(prompt=prompts, stream=True, echo=True,
+                                           stream_options={"include_usage": True}, **kwargs):
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finishes[c.index] += c.finish_reason is not None
+    echoes = ["The quick brown fox", offline.get_tokenizer().decode(ids), "Once"]
+    assert texts == [echoes[i // 2] + c.text for i, c in enumerate(whole.choices)]
+    assert finishes == [1] * 6 and usage.total_tokens == whole.usage.total_tokens
+
+
+def test_a_bad_prompt_in_a_batch_refuses_the_batch(server):
+    cases = [["hi", 5], ["hi", ""], ["hi", []], ["hi", [10 ** 6]], ["hi", "x " * 5000]]
+    for prompt in cases:
+        status, error = post(server + "/v1/completions", {"prompt": prompt, "max_tokens": 2})
+        assert status == 400 and error["error"]["param"] in ("prompt", "max_tokens"), (prompt, error)
+    status, error = post(server + "/v1/completions", {"prompt": ["hi", [10 ** 6]]})
+    assert error["error"]["message"].startswith("prompt 1 of the batch: "), error
+
+
 def test_bad_requests_raise_the_clients_errors(client):
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="tiny", prompt="hi", temperature=-1)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import aiohttp
 from aiohttp import web
 
-from live_server import held_config, start
+from live_server import held_config, record_aborts, slow_steps, start
 from streamserve.frontend.async_engine import AsyncEngine
 from streamserve.server.app import app_runner
 
@@ -50,9 +49,7 @@ def test_abandoned_streams_are_aborted_and_free_their_blocks(llama_dir):
         runner, engine, url = await start(llama_dir)
         core = engine.engine_core
         kv = core.scheduler.kv_cache_manager
-        aborted: list[str] = []
-        abort = core.abort_requests
-        core.abort_requests = lambda ids: (aborted.extend(ids), abort(ids))
+        aborted = record_aborts(engine)
         body = {"prompt": "hello " * 30, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
                 "stream": True}
         async with aiohttp.ClientSession() as session:
@@ -113,9 +110,7 @@ def test_keepalive_comments_and_body_limit(llama_dir):
         runner, engine, url = await start(llama_dir, sse_keepalive_seconds=0.0005, max_request_bytes=2048)
         # The tiny model's steps can come faster than the keep-alive interval (one C call each on
         # the CPU): a 5 ms pause before every step makes the gaps between tokens certain.
-        core = engine.engine_core
-        step = core.step
-        core.step = lambda: time.sleep(0.005) or step()
+        slow_steps(engine, 0.005)
         async with aiohttp.ClientSession() as session:
             body = {"prompt": "hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
             async with session.post(url + "/v1/completions", json=body) as r:
@@ -293,9 +288,7 @@ def test_closing_a_websocket_aborts_its_requests(llama_dir):
     async def main():
         runner, engine, url = await start(llama_dir)
         core = engine.engine_core
-        aborted: list[str] = []
-        abort = core.abort_requests
-        core.abort_requests = lambda ids: (aborted.extend(ids), abort(ids))
+        aborted = record_aborts(engine)
         kv = core.scheduler.kv_cache_manager
         async with aiohttp.ClientSession() as session:
             ws = await session.ws_connect(url + "/v1/ws")
