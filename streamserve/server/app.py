@@ -288,7 +288,7 @@ class _Call:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         protocol.refuse_unsupported(body)
-        self.stream, self.include_usage = protocol.stream_options(body)
+        self.stream, self.include_usage, self.continuous_usage = protocol.stream_options(body)
         self.keepalive = serving.server.sse_keepalive_seconds
         # (text or None, token IDs) per prompt
         self.prompts: list[tuple[Optional[str], list[int]]] = []
@@ -470,15 +470,17 @@ async def _with_keepalive(outputs: AsyncIterator[RequestOutput], every: float,
 
 async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[str, Any]]:
     """The stream's chunk objects, as OpenAI sends them: the role first (chat), the text
-    deltas, one finish_reason per choice, then the usage chunk when asked for."""
+    deltas, one finish_reason per choice, then the usage chunk when asked for (and with
+    continuous usage, the tokens so far in every chunk)."""
     completion_tokens = 0
+    so_far = lambda: call.usage(completion_tokens) if call.continuous_usage else None  # noqa: E731
     text_offsets = [0] * call.num_choices
     if call.chat:  # the first chunk of each choice carries the role
         yield call.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                           "logprobs": None, "finish_reason": None} for i in range(call.num_choices)])
+                           "logprobs": None, "finish_reason": None} for i in range(call.num_choices)], so_far())
     elif call.echo:  # echo: the prompt comes first
         yield call.chunk([{"index": i, "text": call.prompt_text(i), "logprobs": None, "finish_reason": None}
-                          for i in range(call.num_choices)])
+                          for i in range(call.num_choices)], so_far())
     async for delta in outputs:
         choices = []
         for s in delta.outputs:
@@ -495,7 +497,7 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
                 choice["text"] = s.text
             choices.append(choice)
         if choices:
-            yield call.chunk(choices)
+            yield call.chunk(choices, so_far())
     if call.include_usage:
         yield call.chunk([], usage=call.usage(completion_tokens))
 

@@ -134,19 +134,23 @@ def echo_setting(body: dict[str, Any], chat: bool) -> bool:
     return True
 
 
-def stream_options(body: dict[str, Any]) -> tuple[bool, bool]:
-    """(stream, include_usage)."""
+def stream_options(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage): usage in a last chunk, and with vLLM's
+    'continuous_usage_stats' also in every chunk (the tokens so far)."""
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad_request("'stream' must be a boolean", "stream")
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
-    return stream, bool(options.get("include_usage", False))
+    flags = [options.get(key, False) for key in ("include_usage", "continuous_usage_stats")]
+    if not all(isinstance(flag, bool) for flag in flags):
+        raise bad_request("'stream_options' takes booleans", "stream_options")
+    return stream, flags[0], flags[0] and flags[1]
 
 
 def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:

@@ -91,6 +91,23 @@ def test_chat_stream_equals_chat(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
 
 
+def test_continuous_usage_puts_the_tokens_so_far_in_every_chunk(client, server):
+    chunks = list(client.completions.create(
+        model="tiny", prompt="hello world", max_tokens=8, temperature=0, stream=True, echo=True,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 8 and len(set(counts)) > 2
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
+    assert chunks[-1].choices == []
+    plain = list(client.completions.create(model="tiny", prompt="hello", max_tokens=3, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert [c.usage is None for c in plain] == [True] * (len(plain) - 1) + [False]
+    status, error = post(server + "/v1/completions", {"prompt": "hi", "stream": True,
+                                                      "stream_options": {"continuous_usage_stats": 1}})
+    assert status == 400 and error["error"]["param"] == "stream_options"
+
+
 def test_n_samples_and_stop(client):
     result = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10,
                                        temperature=1.0, n=2, seed=5)
