@@ -54,12 +54,16 @@ class LLM:
     def chat(self, messages: Union[list[Message], list[list[Message]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them."""
+             chat_template_kwargs: Optional[dict] = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them (with
+        continue_final_message, the model goes on with the last, assistant message; set
+        add_generation_prompt to False then, as vLLM asks)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
-            text = self.renderer.render_chat(conversation, add_generation_prompt, chat_template_kwargs)
+            text = self.renderer.render_chat(conversation, add_generation_prompt, chat_template_kwargs,
+                                             continue_final_message)
             prompts.append({"prompt": text, "prompt_token_ids":
                             self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

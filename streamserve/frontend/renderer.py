@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from streamserve.sampling_params import ParamError
 
 Message = dict[str, Any]
 
@@ -28,23 +31,44 @@ class Renderer:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
-                    chat_template_kwargs: Optional[dict] = None) -> str:
-        """The conversation as the prompt text the model was trained on."""
+                    chat_template_kwargs: Optional[dict] = None, continue_final_message: bool = False) -> str:
+        """The conversation as the prompt text the model was trained on; with
+        continue_final_message, open at the end of the last (assistant) message, for the
+        model to go on with it."""
         if not messages:
             raise ValueError("messages is empty: give at least one message")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
+        if continue_final_message and add_generation_prompt:
+            raise ParamError("continue_final_message goes on with the last message: it cannot also "
+                             "add a generation prompt (set add_generation_prompt to false)",
+                             "continue_final_message")
+        if continue_final_message and messages[-1].get("role") != "assistant":
+            raise ParamError("continue_final_message needs the last message to be the assistant's",
+                             "continue_final_message")
+        reserved = sorted(set(chat_template_kwargs or ()) & _TEMPLATE_PARAMETERS)
+        if reserved:
+            raise ParamError(f"chat_template_kwargs cannot set {', '.join(reserved)}: those are the "
+                             "renderer's own settings, not the template's variables", "chat_template_kwargs")
         from jinja2 import TemplateError
 
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}))
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         except TemplateError as exc:  # the template's own raise_exception(...), e.g. roles out of turn
             raise ValueError(f"the chat template refused these messages: {exc}") from None
+        except TypeError as exc:  # a chat_template_kwargs value of a kind the template cannot use
+            raise ValueError(f"the chat template failed on these messages and settings: {exc}") from None
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True,
-                    chat_template_kwargs: Optional[dict] = None) -> list[int]:
+                    chat_template_kwargs: Optional[dict] = None, continue_final_message: bool = False) -> list[int]:
         # The template already holds any BOS it wants: do not add special tokens twice.
-        text = self.render_chat(messages, add_generation_prompt, chat_template_kwargs)
+        text = self.render_chat(messages, add_generation_prompt, chat_template_kwargs, continue_final_message)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+# apply_chat_template's own parameters (tokenize, chat_template, ...) and what it gives the
+# template itself (messages, raise_exception, strftime_now): not the client's to set
+_TEMPLATE_PARAMETERS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) - {
+    "self", "kwargs"} | {"messages", "raise_exception", "strftime_now"}

@@ -229,11 +229,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_body(request)
     renderer = request.app[ENGINE].renderer
     if "messages" in body:
-        add_prompt = body.get("add_generation_prompt", True)
-        try:
-            tokens = renderer.encode_chat(protocol.chat_messages(body), bool(add_prompt))
-        except ValueError as exc:
-            raise bad_request(str(exc), "messages") from None
+        tokens = encode_chat(request.app[ENGINE], body)
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -241,6 +237,16 @@ async def tokenize(request: web.Request) -> web.Response:
         tokens = renderer.encode(prompt)
     return json_response({"tokens": tokens, "count": len(tokens),
                           "max_model_len": request.app[ENGINE].config.model.max_model_len})
+
+
+def encode_chat(engine: AsyncEngine, body: dict[str, Any]) -> list[int]:
+    """A chat body's messages through the chat template, as its options say, to token IDs."""
+    messages, options = protocol.chat_messages(body), protocol.chat_options(body)
+    try:
+        return engine.renderer.encode_chat(messages, options.add_generation_prompt,
+                                           options.chat_template_kwargs, options.continue_final_message)
+    except ValueError as exc:  # the template's refusal is about the messages
+        raise bad_request(str(exc), exc.param if isinstance(exc, ParamError) else "messages") from None
 
 
 async def detokenize(request: web.Request) -> web.Response:
@@ -293,11 +299,7 @@ class _Call:
         # (text or None, token IDs) per prompt
         self.prompts: list[tuple[Optional[str], list[int]]] = []
         if chat:
-            messages = protocol.chat_messages(body)
-            try:
-                self.prompts.append((None, self.engine.renderer.encode_chat(messages)))
-            except ValueError as exc:
-                raise bad_request(str(exc), "messages") from None
+            self.prompts.append((None, encode_chat(self.engine, body)))
         else:
             for prompt in protocol.completion_prompts(body):
                 self.prompts.append((prompt, self.engine.renderer.encode(prompt)) if isinstance(prompt, str)

@@ -6,7 +6,7 @@ Every client mistake becomes an APIError with an HTTP status and OpenAI's error 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from streamserve.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
 
@@ -173,6 +173,31 @@ def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
 def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and bool(value) and all(
         isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+class ChatOptions(NamedTuple):
+    """How the chat template renders the messages (vLLM's fields)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+def chat_options(body: dict[str, Any]) -> ChatOptions:
+    """'continue_final_message' goes on with the last (assistant) message, and then adds no
+    generation prompt unless asked to; 'chat_template_kwargs' are the template's variables
+    (Qwen3's enable_thinking, for one)."""
+    flags = {}
+    for key in ("add_generation_prompt", "continue_final_message"):
+        value = body.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(f"'{key}' must be a boolean", key)
+        flags[key] = value
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    go_on = bool(flags["continue_final_message"])
+    add = flags["add_generation_prompt"]
+    return ChatOptions(not go_on if add is None else add, go_on, kwargs)
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:

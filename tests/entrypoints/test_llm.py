@@ -175,6 +175,28 @@ def test_chat_one_conversation(llm, tok):
                                                     use_tqdm=False)).token_ids
 
 
+def test_chat_continues_the_final_message_and_passes_template_variables(llm, tok):
+    """continue_final_message leaves the last (assistant) message open for the model to go
+    on with; chat_template_kwargs reach the template as variables, but not as the
+    renderer's own settings."""
+    conversation = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hello the"}]
+    out = llm.chat(conversation, greedy(4), use_tqdm=False, add_generation_prompt=False,
+                   continue_final_message=True)
+    assert out[0].prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nHello the"
+    for bad in (dict(continue_final_message=True),  # with add_generation_prompt
+                dict(add_generation_prompt=False, continue_final_message=True, messages=CONVERSATIONS[0]),
+                dict(chat_template_kwargs={"tokenize": True}), dict(chat_template_kwargs={"messages": []})):
+        with pytest.raises(ValueError):
+            llm.chat(bad.pop("messages", conversation), greedy(1), use_tqdm=False, **bad)
+    template = tok.chat_template
+    tok.chat_template = "{% if greeting %}{{ greeting }} {% endif %}{{ messages[0]['content'] }}"
+    try:
+        assert llm.chat(CONVERSATIONS[0], greedy(1), use_tqdm=False,
+                        chat_template_kwargs={"greeting": "Dear"})[0].prompt == "Dear hello world"
+    finally:
+        tok.chat_template = template
+
+
 def test_chat_list_of_conversations(llm, tok):
     out = llm.chat(CONVERSATIONS, greedy(4), use_tqdm=False)
     assert len(out) == 2

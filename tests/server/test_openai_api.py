@@ -235,6 +235,31 @@ def test_tokenize_and_detokenize(server, offline):
     assert status == 400 and error["error"]["param"] == "tokens"
 
 
+def test_chat_goes_on_with_the_final_message(server, client, offline):
+    """continue_final_message: the reply continues the last assistant message, as a
+    completion of the template's text up to it does (add_generation_prompt off unless set);
+    /tokenize takes the same fields; the wrong combinations are 400s naming the field."""
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "Hello the"}]
+    ids = offline.get_tokenizer().apply_chat_template(messages, continue_final_message=True,
+                                                      tokenize=True, return_dict=False)
+    status, tokenized = post(server + "/tokenize", {"messages": messages, "continue_final_message": True})
+    assert status == 200 and tokenized["tokens"] == ids
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                           extra_body={"continue_final_message": True,
+                                                       "chat_template_kwargs": {"enable_thinking": False}})
+    completion = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0)
+    assert reply.choices[0].message.content == completion.choices[0].text
+    user = [{"role": "user", "content": "x"}]
+    for body, param in [({"messages": messages, "continue_final_message": True, "add_generation_prompt": True},
+                         "continue_final_message"),
+                        ({"messages": user, "continue_final_message": True}, "continue_final_message"),
+                        ({"messages": user, "continue_final_message": "yes"}, "continue_final_message"),
+                        ({"messages": user, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+                        ({"messages": user, "chat_template_kwargs": ["x"]}, "chat_template_kwargs")]:
+        status, error = post(server + "/v1/chat/completions", body)
+        assert status == 400 and error["error"]["param"] == param, (body, error)
+
+
 def test_completion_logprobs_match_the_engine(client, offline):
     result = client.completions.create(model="tiny", prompt="hello world", max_tokens=6, temperature=0,
                                        logprobs=2)
