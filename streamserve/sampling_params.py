@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 MAX_LOGPROBS = 20
+# A temperature below this samples greedily (as in vLLM): dividing by it would overflow.
+GREEDY_BELOW = 1e-5
 
 
 class ParamError(ValueError):
@@ -84,7 +86,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

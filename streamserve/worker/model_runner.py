@@ -90,6 +90,9 @@ class ModelRunner:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.device = config.device.torch_device
+        if self.device.type == "cuda" and self.device.index is not None:
+            # Triton launches on the thread's current device; this thread builds and steps the engine
+            torch.cuda.set_device(self.device)
         kernels = cpu_kernels.load() if self.device.type == "cpu" else None
         # The C kernels (norms, attention, the one-call step) serve float32 steps on the torch backend.
         c_ok = kernels is not None and config.device.kernel_backend == "torch"
@@ -126,8 +129,11 @@ class ModelRunner:
             from streamserve_kernels.attention import DecodeWorkspace
 
             self.model.use_kernels()
-            self.workspace = DecodeWorkspace.allocate(config.scheduler.max_num_seqs, self.num_heads,
-                                                      self.head_dim, MAX_DECODE_SPLITS, self.device)
+            # rows for every decode batch, a captured graph's padding rows included
+            max_num_seqs = config.scheduler.max_num_seqs
+            rows = max(max_num_seqs, capture_sizes(max_num_seqs)[-1])
+            self.workspace = DecodeWorkspace.allocate(rows, self.num_heads, self.head_dim, MAX_DECODE_SPLITS,
+                                                      self.device)
         self.num_blocks = self._determine_num_blocks()
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -145,7 +151,7 @@ class ModelRunner:
         if config.device.use_cuda_graphs:
             self.graphs = self.make_decode_graphs()
             self.graphs.capture()
-        self.sampler = Sampler(self.device, config.model.seed)
+        self.sampler = Sampler(self.device, config.model.seed, self.to_device)
         self.requests: dict[str, RequestState] = {}
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
                                       -(-config.model.max_model_len // self.block_size))

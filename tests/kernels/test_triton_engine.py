@@ -46,3 +46,15 @@ def test_decode_graph_buffers_pad_without_effect(model_dirs):
     scheduler = llm.engine_core.scheduler
     assert scheduler.kv_cache_manager.num_free_blocks == runner.num_blocks
 
+
+
+def test_the_largest_graph_fits_the_decode_workspace(model_dirs):
+    """max_num_seqs 3 is captured as a graph of 4 rows (the capture sizes go 1, 2, 4, 8, ...):
+    the split-KV workspace holds those 4 rows, padding included (it had 3, so capturing that
+    graph, the first one captured, failed at start-up)."""
+    llm = triton_llm(model_dirs["llama"], max_num_seqs=3)
+    runner = llm.engine_core.model_runner
+    graphs = runner.make_decode_graphs()
+    assert graphs.max_batch == 4 and graphs.num_splits(4) > 1
+    with torch.inference_mode():
+        graphs._run(graphs.max_batch)  # what capture() runs first on CUDA

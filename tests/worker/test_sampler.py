@@ -12,7 +12,7 @@ import torch
 from streamserve.engine.scheduler_output import NewRequestData
 from streamserve.sampling_params import SamplingParams
 from streamserve.worker.request_state import RequestState
-from streamserve.worker.sampler import Sampler, apply_penalties
+from streamserve.worker.sampler import Sampler
 
 CPU = torch.device("cpu")
 
@@ -143,8 +143,7 @@ def test_top_p_one_row_keeps_its_whole_distribution_next_to_top_p_rows():
     batch asked for top-k/top-p. The descending-cumsum test `mass_before >= top_p`
     drops the tail of a top_p=1.0 row once float32 rounding carries its cumulative
     mass to 1.0 before the end of the vocabulary."""
-    from streamserve.worker.sampler import _filtered_probs
-
+    _filtered_probs = Sampler(CPU, seed=0)._filtered_probs
     torch.manual_seed(0)
     logits = torch.randn(4, 384) * 3
     rows = [make_row(SamplingParams(), req_id=str(i)) for i in range(3)]
@@ -245,7 +244,7 @@ def test_apply_penalties_matches_hand_computation():
     params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2)
     row = make_row(params, prompt=[0, 1], output=[2, 2, 3, 0])
     plain = make_row(SamplingParams(), prompt=[0, 1], output=[2, 2, 3, 0])
-    out = apply_penalties(torch.stack([raw, raw]), [row, plain])
+    out = Sampler(CPU, seed=0).apply_penalties(torch.stack([raw, raw]), [row, plain])
     expected = torch.tensor([
         2.0 / 1.5 - 0.3 * 1 - 0.2,   # prompt + output (1x): divided, freq 1, presence
         -1.0 * 1.5,                  # prompt only, negative: multiplied; no freq/presence
@@ -380,3 +379,46 @@ def test_min_tokens_never_samples_stops_and_leaves_other_rows_alone():
     assert set(tokens[:1000]) == {0, 1, 2, 3, 4, 7}
     assert {eos, stop} <= set(tokens[1000:])
 
+
+
+# -- vLLM's V1 details, and no sync but the result -----------------------------------
+
+
+def test_a_tiny_temperature_samples_greedily():
+    """Below 1e-5 a temperature is greedy, as in vLLM (logits / 1e-38 overflowed to inf,
+    the softmax to NaN, and every draw to token 0)."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 50)
+    rows = [make_row(SamplingParams(temperature=t), req_id=str(i)) for i, t in enumerate((1e-38, 1e-6, 0.0))]
+    tokens, _ = Sampler(CPU, seed=0)(logits, rows)
+    assert tokens == logits.argmax(-1).tolist()
+
+
+def test_min_p_filters_before_top_p_measures_its_mass():
+    """vLLM's V1 engine applies min_p before top-k/top-p: top_p's mass is taken over what
+    min_p kept. probs [.5, .3, .15, .05], min_p 0.2 drops the last; renormalised, the mass
+    before the third (0.84) reaches top_p 0.82, so only two remain (top_p first kept three)."""
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    row = make_row(SamplingParams(top_p=0.82, min_p=0.2))
+    probs = Sampler(CPU, seed=0)._filtered_probs(logits, [row])
+    assert (probs[0] > 0).tolist() == [True, True, False, False]
+
+
+def test_the_per_row_settings_reach_the_device_through_the_staging_buffer(monkeypatch):
+    """Every per-row setting and token list goes through `stage` (pinned, non-blocking on a
+    GPU), none through torch.tensor(list, device=...), a synchronous copy per call there."""
+    staged = []
+    sampler = Sampler(CPU, seed=0, stage=lambda a: staged.append(a) or torch.from_numpy(a))
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
+                            presence_penalty=0.5, frequency_penalty=0.3, min_tokens=4, stop_token_ids=[7],
+                            logit_bias={3: 5.0}, logprobs=2)
+    rows = [make_row(params, prompt=[1, 2, 3], output=[4, 4], eos=0, req_id="a"),
+            make_row(SamplingParams(temperature=1.0, seed=3), req_id="b")]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.tensor in the sampler")
+
+    monkeypatch.setattr(torch, "tensor", refuse)
+    tokens, logprobs = sampler(torch.randn(2, 30), rows)
+    assert len(tokens) == 2 and logprobs[0] is not None and tokens[0] not in (0, 7)
+    assert len(staged) >= 10
