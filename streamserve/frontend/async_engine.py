@@ -103,8 +103,12 @@ class AsyncEngine:
         Closing the iterator early (a client went away) aborts the request."""
         if not self.is_ready:
             raise EngineDeadError("the engine is not ready")
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._queues:
+        taken = lambda rid: rid in self._queues or self.output_processor.in_use(rid, params.n)  # noqa: E731
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while taken(request_id):  # a caller named one of its own so
+                request_id = f"req-{next(self._ids)}"
+        elif taken(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         self.input_processor.validate(prompt_token_ids, params)
         queue: asyncio.Queue = asyncio.Queue()

@@ -99,6 +99,10 @@ class IncrementalDetokenizer:
         self.stop = params.stop_list
         self.include_stop = params.include_stop_str_in_output
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        # Stop strings are looked for only in text after the first min_tokens tokens (vLLM's rule).
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0
+        self.stop_search_from = 0
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # The window: text is decoded from ids[prefix_offset:]; ids[:read_offset] are emitted.
         self.prefix_offset = 0
@@ -113,11 +117,13 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int], finish_reason: Optional[str] = None) -> Optional[str]:
         """Add tokens; return the stop string if one now matches (the text is then final).
+        Text of the first min_tokens tokens is not searched.
 
         Once finished, bytes of an incomplete character are flushed as U+FFFD. A
         request the engine stopped (EOS or a stop token id) leaves that last
         token out of the text, unless include_stop_str_in_output."""
         finished = finish_reason is not None
+        self.num_tokens += len(new_token_ids)
         if finish_reason == "stop" and not self.include_stop:
             new_token_ids = new_token_ids[:-1]
         if self.stream is not None:
@@ -129,8 +135,11 @@ class IncrementalDetokenizer:
             delta = self._window_delta(finished)
         if not delta:
             return None
-        start = max(0, len(self.output_text) - self.holdback)
+        start = max(self.stop_search_from, len(self.output_text) - self.holdback)
         self.output_text += delta
+        if self.num_tokens <= self.min_tokens:
+            self.stop_search_from = len(self.output_text)
+            return None
         return self._check_stop(start) if self.stop else None
 
     def _stream_delta(self, new_token_ids: list[int]) -> Optional[str]:

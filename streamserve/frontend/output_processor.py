@@ -69,7 +69,10 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     params: SamplingParams, stream: bool = False) -> list[str]:
         """Track a request; returns the engine (child) request ids to submit. A streamed
-        request also gets a delta RequestOutput each step it changes."""
+        request also gets a delta RequestOutput each step it changes. An id in use (as a
+        request's or as one of its engine requests') is refused."""
+        if self.in_use(request_id, params.n):
+            raise ValueError(f"request id {request_id!r} is already in use")
         samples = [_Sample(i, IncrementalDetokenizer(self.decoder, prompt_token_ids, params),
                            logprobs=[] if params.logprobs is not None else None,
                            cumulative_logprob=0.0 if params.logprobs is not None else None)
@@ -80,6 +83,11 @@ class OutputProcessor:
         for child_id, sample in zip(child_ids, samples):
             self.child_to_sample[child_id] = (parent, sample)
         return child_ids
+
+    def in_use(self, request_id: str, n: int) -> bool:
+        """Whether a request of this id and n would share an id with one being tracked."""
+        return request_id in self.parents or any(
+            child_request_id(request_id, i, n) in self.child_to_sample for i in range(n))
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its unfinished engine request ids, to abort."""

@@ -117,6 +117,37 @@ def test_bad_requests_fail_alone(llama_dir):
     assert len(asyncio.run(main())[1]) == 3
 
 
+def test_a_request_id_that_names_another_requests_sample_is_refused(llama_dir):
+    """Samples of an n=2 request "a" run as engine requests "a#0" and "a#1": a request named
+    "a#0" is refused (it took over that sample, and "a" never finished); a generated id
+    steps over one a caller took."""
+    async def main():
+        engine = make_engine(llama_dir)
+        engine.start()
+        await engine.wait_ready()
+        ids = engine.renderer.encode("hello world")
+
+        async def run(rid, params):
+            return [d async for d in engine.generate(ids, params, request_id=rid)]
+
+        a = asyncio.create_task(run("a", SamplingParams(n=2, max_tokens=30, ignore_eos=True)))
+        taken = asyncio.create_task(run("req-0", SamplingParams(max_tokens=30, ignore_eos=True)))
+        await asyncio.sleep(0)  # both registered
+        with pytest.raises(ValueError, match="already in use"):
+            await run("a#0", SamplingParams(max_tokens=4))
+        with pytest.raises(ValueError, match="already in use"):
+            await run("a", SamplingParams(max_tokens=4))
+        generated = await asyncio.wait_for(run(None, SamplingParams(max_tokens=4)), 30)
+        outputs = await asyncio.wait_for(a, 30)
+        await asyncio.wait_for(taken, 30)
+        await engine.shutdown()
+        return generated, outputs
+
+    generated, outputs = asyncio.run(main())
+    assert generated[0].request_id != "req-0" and generated[-1].finished
+    assert outputs[-1].finished and sum(len(s.token_ids) for d in outputs for s in d.outputs) == 60
+
+
 def test_a_model_that_fails_to_load_is_reported(llama_dir, tmp_path):
     import shutil
 
