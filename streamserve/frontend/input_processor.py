@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
 from typing import Any, Optional, Union
 
@@ -20,6 +22,10 @@ class InputProcessor:
         self.max_model_len = config.model.max_model_len
         self.renderer = renderer
         self.vocab_size = vocab_size
+        # The model's other end-of-sequence tokens (Llama 3's <|eom_id|>, ...): stop tokens
+        # of every request that does not ignore EOS, as vLLM makes them.
+        self.extra_eos_ids = frozenset(t for t in eos_token_ids(config.model.model, config.model.hf_config)
+                                       if t != renderer.eos_token_id and 0 <= t < vocab_size)
 
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(prompt text or None, prompt token IDs)."""
@@ -51,6 +57,8 @@ class InputProcessor:
         self.validate(prompt_token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         eos = self.renderer.eos_token_id
+        if self.extra_eos_ids and not params.ignore_eos and not self.extra_eos_ids <= params.stop_token_set:
+            params = dataclasses.replace(params, stop_token_ids=sorted(params.stop_token_set | self.extra_eos_ids))
         requests = []
         for k, child_id in enumerate(child_ids):
             child_params = params
@@ -58,3 +66,18 @@ class InputProcessor:
                 child_params = dataclasses.replace(params, seed=(params.seed + k) % 2 ** 64)
             requests.append(EngineCoreRequest(child_id, prompt_token_ids, child_params, eos, arrival))
         return requests
+
+
+def eos_token_ids(model_dir: str, hf_config: dict[str, Any]) -> list[int]:
+    """The end-of-sequence token IDs the model's generation_config.json lists (config.json's
+    where it has none): one ID or several."""
+    ids = hf_config.get("eos_token_id")
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                ids = json.load(f).get("eos_token_id", ids)
+        except (OSError, ValueError, AttributeError):
+            pass  # unreadable: the tokenizer's EOS still stops every request
+    ids = ids if isinstance(ids, list) else [ids]
+    return [t for t in ids if isinstance(t, int) and not isinstance(t, bool)]

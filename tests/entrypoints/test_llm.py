@@ -3,7 +3,9 @@ per-prompt params, ordering, text, chat, n, seeds, stops, logprobs, errors, no l
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from typing import Optional
 
 import pytest
@@ -523,3 +525,22 @@ def test_no_kv_blocks_leak(llm, small_llm):
     """Runs last in this module: after everything above, the pools are whole again."""
     assert_clean(llm)
     assert_clean(small_llm)
+
+
+def test_the_generation_configs_other_eos_ids_stop_a_request(llm, llama_dir, tmp_path):
+    """A model whose generation_config.json lists several EOS IDs (Llama 3's, Qwen2.5's):
+    each stops a request as a stop token does (unless ignore_eos), as vLLM makes them."""
+    prompt, plain = "The quick brown fox", SamplingParams(max_tokens=6, temperature=0)
+    first = llm.generate(prompt, plain, use_tqdm=False)[0].outputs[0].token_ids[0]
+    model = tmp_path / "several-eos"
+    shutil.copytree(llama_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    config["eos_token_id"] = [llm.get_tokenizer().eos_token_id, first]
+    (model / "generation_config.json").write_text(json.dumps(config))
+    several = LLM(str(model), dtype="float32", kv_cache_memory="16MiB")
+    out = several.generate(prompt, plain, use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == ([first], "", "stop", first)
+    ignoring = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    assert len(several.generate(prompt, ignoring, use_tqdm=False)[0].outputs[0].token_ids) == 6
+    with_min = SamplingParams(max_tokens=6, temperature=0, min_tokens=2)
+    assert several.generate(prompt, with_min, use_tqdm=False)[0].outputs[0].token_ids[0] != first
