@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from streamserve.models.quantized import BLOCKS
+
 
 class RMSNorm(nn.Module):
     """RMSNorm; with `residual`, adds it first and also returns the sum (the new residual)."""
@@ -76,8 +78,12 @@ class Linear(nn.Module):
     def keep_quantized(self, weight, gemv, max_rows: int) -> None:
         """Read `weight` (a QuantizedWeight of this layer's shape) with `gemv(x, blocks)` for
         low-precision inputs of at most `max_rows` rows."""
-        if weight.shape != (self.weight.shape[0], self.weight.shape[1]) and self.weight.numel():
-            raise ValueError(f"quantized weight {weight.shape} does not fit a {tuple(self.weight.shape)} layer")
+        full = self.weight if self.weight.numel() else self.low_precision_weight  # drop_full kept only the copy
+        blocks, (_, block_bytes) = weight.blocks, BLOCKS[weight.kind]
+        if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous()
+                or blocks.shape[1] % block_bytes or weight.shape != tuple(full.shape)):
+            raise ValueError(f"{weight.kind} blocks {blocks.dtype} {tuple(blocks.shape)} do not hold a "
+                             f"{tuple(full.shape)} layer's weight")
         self.quantized, self.quant_gemv, self.quant_max_rows = weight, gemv, max_rows
 
     def forward(self, x: torch.Tensor, low_precision: bool = False) -> torch.Tensor:

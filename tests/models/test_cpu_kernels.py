@@ -256,3 +256,43 @@ def test_native_half_gemms_serve_the_large_steps(half_llama_dir, monkeypatch):
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert (103, dtype) in weights and all(w == dtype for _, w in weights)
     assert_same_greedy(outputs, [tokens_and_logprobs(want) for want in expected])
+
+
+@needs_kernel
+def test_gguf_blocks_load_where_only_the_half_copies_are_kept(half_llama_dir, tmp_path, monkeypatch):
+    """A GGUF conversion (half-precision weights + the blocks, the default model's layout) on
+    a CPU with native half GEMMs, which keeps only the half copies: the blocks are checked
+    against the copies' shape (reading the freed float32 weight's shape crashed start-up) and
+    serve the small steps, as the op-by-op run does; blocks of another shape are refused."""
+    import shutil
+
+    from streamserve.models.layers import Linear
+    from streamserve.models.quantized import save_blocks
+
+    source, dtype = half_llama_dir
+    path = tmp_path / "converted"
+    shutil.copytree(source, path)
+    weights = load_file(str(path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    blocks = {name: QuantizedWeight.random("q4_1", *w.shape, gen) for name, w in weights.items()
+              if w.dim() == 2 and "embed" not in name}
+    weights.update({name: q.dequantize().to(dtype) for name, q in blocks.items()})
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    save_blocks(str(path / "gguf-blocks.safetensors"), blocks)
+    monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: True)
+    name = str(dtype).split(".")[-1]
+    llm = LLM(str(path), dtype=name, kv_cache_memory="32MiB")
+    runner = llm.engine_core.model_runner
+    down = runner.model.layers[0].mlp.down_proj
+    assert down.weight.numel() == 0 and down.quantized is not None and runner.c_step is not None
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    expected = LLM(str(path), dtype=name, kv_cache_memory="32MiB", enforce_eager=True).generate(
+        [[5, 6, 7]], params, use_tqdm=False)
+    assert_same_greedy(llm.generate([[5, 6, 7]], params, use_tqdm=False),
+                       [tokens_and_logprobs(want) for want in expected])
+    with pytest.raises(ValueError, match="do not hold"):
+        down.keep_quantized(QuantizedWeight.random("q4_1", down.low_precision_weight.shape[0], 32, gen), None, 2)
+    layer = Linear(64, 8, bias=False)
+    bad = QuantizedWeight("q4_1", torch.zeros(8, 2 * 20 + 3, dtype=torch.uint8))  # not whole blocks
+    with pytest.raises(ValueError, match="do not hold"):
+        layer.keep_quantized(bad, None, 2)
