@@ -66,6 +66,24 @@ def test_quantized_kernel_matches_the_dequantized_weight(kind, m, n, k):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_quantized_kernel_keeps_tiny_blocks_and_propagates_nan(kind):
+    """A block of activations near 1e-36 keeps its values (32767 / its largest overflowed to
+    inf, and every value became -32768: the sign flipped); a NaN or inf activation makes the
+    outputs it reaches NaN (they came out finite, from saturated int16s)."""
+    weight = quantized(kind, 3, 256, seed=1)
+    w = weight.dequantize().double()
+    x = torch.rand(2, 256, generator=torch.Generator().manual_seed(2)) * 1e-36
+    ref = x.double() @ w.t()
+    y = kernels.quant_gemv[kind](x, weight.blocks).double()
+    assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    x = torch.randn(3, 256)
+    x[0, 3], x[1, 40] = float("nan"), float("inf")
+    y = kernels.quant_gemv[kind](x, weight.blocks)
+    assert y[:2].isnan().all() and y[2].isfinite().all()
+
+
+@needs_kernel
 def test_quantized_kernel_refuses_what_it_cannot_read():
     weight = quantized("q4_1", 4, 64, seed=0)
     gemv = kernels.quant_gemv["q4_1"]
@@ -130,6 +148,20 @@ def test_decode_attention_matches_the_torch_path(num_heads, num_kv_heads, head_d
                              decode_block_tables=tables[:-1], decode_mask=mask, prefills=[])
     ref = TorchPagedAttention([cache], meta, num_heads, num_kv_heads, head_dim)._decode(q[:-1], cache)
     torch.testing.assert_close(out[:-1], ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("key", [2, 18])  # in a vector of 8 keys, or in the tile's scalar tail
+def test_decode_attention_propagates_a_nan_score(key):
+    """A NaN key makes its row's output NaN, as torch's softmax does, wherever the key sits
+    (a NaN in a vector of 8 came out as weight e^-87: the key silently dropped)."""
+    hq, d, bs = 2, 16, 16
+    cache = torch.randn(2, 2, bs, 1, d, generator=torch.Generator().manual_seed(0))
+    cache[0, key // bs, key % bs, 0, 0] = float("nan")
+    q = torch.randn(2, hq, d)
+    out = kernels.paged_decode_attention(q, cache, torch.tensor([[0, 1], [1, 0]]), torch.tensor([20, 20]),
+                                         d ** -0.5)
+    assert out.isnan().all()  # row 1 reads the blocks the other way round: its NaN key is the other
 
 
 @needs_kernel

@@ -29,6 +29,7 @@
  * step_forward_f32: a whole step of a few tokens through every layer of a Llama-family model.
  */
 #include <immintrin.h>
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <omp.h>
@@ -169,18 +170,28 @@ static int quantize_x(const float *x, long M, long K, QuantX *q) {
     q->sx = (float *)(q->x16 + M * K);
     q->xsum = q->sx + M * nb;
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 inf = _mm256_set1_ps(INFINITY);
     for (long i = 0; i < M * nb; i++) {
         const float *xb = x + 32 * i;
-        __m256 amax = _mm256_setzero_ps();
-        for (int j = 0; j < 32; j += 8) amax = _mm256_max_ps(amax, _mm256_and_ps(_mm256_loadu_ps(xb + j), abs_mask));
+        __m256 amax = _mm256_setzero_ps(), finite = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        for (int j = 0; j < 32; j += 8) {
+            const __m256 a = _mm256_and_ps(_mm256_loadu_ps(xb + j), abs_mask);
+            amax = _mm256_max_ps(amax, a);
+            finite = _mm256_and_ps(finite, _mm256_cmp_ps(a, inf, _CMP_LT_OQ));  /* false for NaN and inf */
+        }
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const __m256 inv = _mm256_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+        /* a NaN or inf makes the block's scale NaN, so the outputs it reaches are NaN, as in
+         * torch (not a finite value made of the saturated int16s) */
+        const float top = _mm256_movemask_ps(finite) == 0xff ? _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)))
+                                                             : NAN;
+        /* x / top, then * 32767: 32767 / top alone overflows below 1e-34; a block of subnormals
+         * (below FLT_MIN, where 1 / top would) counts as zeros */
+        const __m256 inv = _mm256_set1_ps(top >= FLT_MIN ? 1.0f / top : 0.0f), full = _mm256_set1_ps(32767.0f);
         __m256i sum = _mm256_setzero_si256();
         for (int j = 0; j < 32; j += 16) {
-            const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j), inv));
-            const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8), inv));
+            const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + j), inv), full));
+            const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8), inv), full));
             /* packs works within 128-bit lanes: put the four quarters back in order */
             const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8);
             _mm256_storeu_si256((__m256i *)(q->x16 + 32 * i + j), packed);
@@ -375,7 +386,7 @@ void rms_norm_f32(const float *x, float *residual, const float *w, float *out, l
 static inline __m256 exp_ps(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
     const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));  /* max and min return their second operand for NaN */
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
@@ -475,6 +486,7 @@ static void attend_keys(const float *q, const float *k_cache, const float *v_cac
         }
         for (long g = 0; g < G; g++) {
             float *sg = s + g * ATTN_TILE, tile_max = m[g];
+            /* a NaN score may be skipped here: exp_ps and expf keep it NaN, and so the sums */
             for (long j = 0; j < n; j++) tile_max = sg[j] > tile_max ? sg[j] : tile_max;
             const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - tile_max);
             long j = 0;
