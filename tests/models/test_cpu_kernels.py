@@ -295,7 +295,8 @@ def test_gguf_blocks_load_where_only_the_half_copies_are_kept(half_llama_dir, tm
     """A GGUF conversion (half-precision weights + the blocks, the default model's layout) on
     a CPU with native half GEMMs, which keeps only the half copies: the blocks are checked
     against the copies' shape (reading the freed float32 weight's shape crashed start-up) and
-    serve the small steps, as the op-by-op run does; blocks of another shape are refused."""
+    serve the small steps, as where the float32 weights are kept; blocks of another shape
+    are refused."""
     import shutil
 
     from streamserve.models.layers import Linear
@@ -311,15 +312,15 @@ def test_gguf_blocks_load_where_only_the_half_copies_are_kept(half_llama_dir, tm
     weights.update({name: q.dequantize().to(dtype) for name, q in blocks.items()})
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     save_blocks(str(path / "gguf-blocks.safetensors"), blocks)
-    monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: True)
     name = str(dtype).split(".")[-1]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: False)  # this machine's kind
+    expected = LLM(str(path), dtype=name, kv_cache_memory="32MiB").generate([[5, 6, 7]], params, use_tqdm=False)
+    monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: True)
     llm = LLM(str(path), dtype=name, kv_cache_memory="32MiB")
     runner = llm.engine_core.model_runner
     down = runner.model.layers[0].mlp.down_proj
     assert down.weight.numel() == 0 and down.quantized is not None and runner.c_step is not None
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
-    expected = LLM(str(path), dtype=name, kv_cache_memory="32MiB", enforce_eager=True).generate(
-        [[5, 6, 7]], params, use_tqdm=False)
     assert_same_greedy(llm.generate([[5, 6, 7]], params, use_tqdm=False),
                        [tokens_and_logprobs(want) for want in expected])
     with pytest.raises(ValueError, match="do not hold"):
