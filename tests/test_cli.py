@@ -61,16 +61,23 @@ def test_the_server_with_a_bad_model_exits_with_one_clear_line(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_a_busy_port_is_one_clear_line_before_any_loading(llama_dir):
+def test_a_busy_port_is_one_clear_line_before_any_loading(llama_dir, tmp_path):
+    """The port is bound before the weights are read: with a checkpoint that cannot be read,
+    the busy port is what is reported (loading first would report the checkpoint)."""
+    import shutil
     import socket
 
+    broken = tmp_path / "broken"
+    shutil.copytree(llama_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
-        result = run_cli("--model", llama_dir, "--port", str(s.getsockname()[1]))
+        result = run_cli("--model", str(broken), "--port", str(s.getsockname()[1]))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("streamserve: error: cannot listen on 127.0.0.1:")
-    assert "ready: model" not in result.stderr  # the model was not loaded first
+    assert "cannot read" not in result.stderr
 
 
 def test_unreadable_files_and_sizes_are_one_clear_line(tmp_path, llama_dir):

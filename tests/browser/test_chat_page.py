@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from typing import Callable
 
+from live_server import record_aborts
 from streamserve.server.app import PAGE_HEADERS
 
 WS = re.compile(r".*/v1/ws$")
@@ -179,6 +180,7 @@ def test_a_reply_streams_in_token_by_token_with_its_statistics(server, open_page
 def test_stop_ends_the_stream_and_the_kv_pool_returns_to_full(server, open_page):
     page = open_page(server)  # max tokens left blank: the reply may fill the 4096-token context
     kv = server.engine.engine_core.scheduler.kv_cache_manager
+    aborted = record_aborts(server.engine)
     send(page, "tell me a long story")
     expect(page.locator("#stop")).to_be_visible()
     expect(reply(page).locator(".body")).to_have_text(AT_LEAST_20_CHARACTERS)
@@ -191,7 +193,7 @@ def test_stop_ends_the_stream_and_the_kv_pool_returns_to_full(server, open_page)
     assert text and reply(page).locator(".error").count() == 0  # the partial reply stays
 
     wait_until(lambda: idle(server) and kv.num_free_blocks == kv.num_blocks)
-    assert kv.num_free_blocks == kv.num_blocks
+    assert kv.num_free_blocks == kv.num_blocks and len(aborted) == 1  # aborted, not run to its end
     _, _, body = http(server.url + "/metrics")
     assert metric(body.decode(), "num_requests_waiting") == 0
     assert reply(page).locator(".body").text_content() == text  # nothing came after the stop
@@ -359,6 +361,7 @@ def test_a_dropped_socket_reconnects_with_backoff_and_says_so(server, open_page)
         const s = document.getElementById('status');
         new MutationObserver(() => window.__status.push(s.textContent))
             .observe(s, {childList: true, characterData: true, subtree: true}); }""")
+    aborted = record_aborts(server.engine)
     send(page, "a long reply, cut short")
     expect(reply(page).locator(".body")).to_have_text(AT_LEAST_20_CHARACTERS)
     routes[0].close()
@@ -374,7 +377,7 @@ def test_a_dropped_socket_reconnects_with_backoff_and_says_so(server, open_page)
     expect(reply(page).locator(".stats .finish")).to_have_text("length")
     kv = server.engine.engine_core.scheduler.kv_cache_manager
     wait_until(lambda: idle(server) and kv.num_free_blocks == kv.num_blocks)
-    assert kv.num_free_blocks == kv.num_blocks  # the dropped socket's request was aborted
+    assert kv.num_free_blocks == kv.num_blocks and len(aborted) == 1  # the dropped socket's request
 
 
 def no_horizontal_scroll(page) -> bool:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from streamserve import LLM, SamplingParams
 from streamserve.config import Config
 from streamserve.frontend.async_engine import AsyncEngine, EngineDeadError
+from live_server import record_aborts
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "hello world", "def add(a, b):",
            "Once upon a time", "Streaming servers send", "user assistant", "Caf\u00e9 \U0001f600"]
@@ -76,6 +78,7 @@ def test_closing_a_stream_aborts_it_and_frees_its_blocks(llama_dir):
         engine.start()
         await engine.wait_ready()
         kv = engine.engine_core.scheduler.kv_cache_manager
+        aborted = record_aborts(engine)
         params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
         for _ in range(5):
             stream = engine.generate(engine.renderer.encode("hello " * 20), params)
@@ -93,10 +96,11 @@ def test_closing_a_stream_aborts_it_and_frees_its_blocks(llama_dir):
         # And it still serves.
         text, tokens, _ = await collect(engine, "hello", SamplingParams(temperature=0, max_tokens=4))
         await engine.shutdown()
-        return free, tokens
+        return free, tokens, aborted
 
-    (free, total), tokens = asyncio.run(main())
+    (free, total), tokens, aborted = asyncio.run(main())
     assert free == total and len(tokens) == 4
+    assert len(set(aborted)) == 5  # each closed stream aborted, none left to run its 400 tokens
 
 
 def test_bad_requests_fail_alone(llama_dir):
@@ -215,13 +219,24 @@ def test_a_failed_step_fails_its_own_requests_only(llama_dir):
         engine.start()
         await engine.wait_ready()
         failing_once(engine.engine_core.model_runner)
+        drain, waited = engine._drain_inbox, []
+
+        def both_at_once(core):  # the engine takes both requests in, before the failing step
+            if engine._inbox and not waited:
+                while len(engine._inbox) < 2:
+                    time.sleep(0.001)
+                waited.append(len(engine._inbox))
+            return drain(core)
+
+        engine._drain_inbox = both_at_once
         results = await asyncio.gather(collect(engine, "hello world", params),
                                        collect(engine, "Paris is the capital of", params),
                                        return_exceptions=True)
         await engine.shutdown()
-        return results
+        return results, waited
 
-    first, second = asyncio.run(main())
+    (first, second), waited = asyncio.run(main())
+    assert waited == [2]
     assert isinstance(first, EngineStepError) and "injected failure" in str(first)
     text, tokens, finish = second
     assert len(tokens) == 6 and finish == "length"

@@ -97,11 +97,38 @@ def test_fast_decode_gives_what_the_tokenizer_gives(tok, skip):
 TEXTS = ["Caf\u00e9 na\u00efve \u4f60\u597d\u4e16\u754c \U0001f600\U0001f680 done", "\U0001f600\U0001f600 emoji first"]
 
 
+class WatchedStream:
+    """A DecodeStream that counts its steps (and fails at step `fail_at`, as a DecodeStream
+    refusing its window does)."""
+
+    made: list["WatchedStream"] = []
+
+    def __init__(self, inner, fail_at: Optional[int] = None):
+        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+        WatchedStream.made.append(self)
+
+    def step(self, backend, token):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("InvalidPrefix")
+        return self.inner.step(backend, token)
+
+
+def watch_streams(monkeypatch, fail_at: Optional[int] = None) -> list[WatchedStream]:
+    from streamserve.frontend.detokenizer import TextDecoder
+
+    real = TextDecoder.stream
+    WatchedStream.made = []
+    monkeypatch.setattr(TextDecoder, "stream", lambda self, ids, skip: WatchedStream(real(self, ids, skip), fail_at))
+    return WatchedStream.made
+
+
 def test_the_decode_stream_is_used_and_streams_what_the_python_window_streams(tok, monkeypatch):
     from streamserve.frontend.detokenizer import TextDecoder
 
-    assert TextDecoder(tok).stream([1, 2], False) is not None  # the fast path is the one tested above
+    made = watch_streams(monkeypatch)
     with_stream = [stream(tok, t, SamplingParams(max_tokens=100))[0] for t in TEXTS]
+    assert [w.calls for w in made] == [len(tok.encode(t)) for t in TEXTS]  # every token went through it
     monkeypatch.setattr(TextDecoder, "stream", lambda self, ids, skip: None)
     without = [stream(tok, t, SamplingParams(max_tokens=100))[0] for t in TEXTS]
     assert with_stream == without
@@ -111,6 +138,7 @@ def test_the_decode_stream_is_used_and_streams_what_the_python_window_streams(to
 def test_finishing_inside_a_character_flushes_it_as_a_replacement_character(tok, monkeypatch, use_stream):
     from streamserve.frontend.detokenizer import TextDecoder
 
+    made = watch_streams(monkeypatch)
     if not use_stream:
         monkeypatch.setattr(TextDecoder, "stream", lambda self, ids, skip: None)
     ids = tok.encode("ok \U0001f600")
@@ -119,28 +147,16 @@ def test_finishing_inside_a_character_flushes_it_as_a_replacement_character(tok,
     deltas, final, _, _ = stream(tok, "ok \U0001f600", SamplingParams(max_tokens=100), finish_at=cut - 1)
     assert final.outputs[0].text == tok.decode(ids[:cut]) == "".join(deltas)
     assert final.outputs[0].text.endswith("\ufffd")
+    assert bool(made and made[0].calls) == use_stream
 
 
 def test_a_decode_stream_that_fails_hands_over_to_the_python_window(tok, monkeypatch):
-    from streamserve.frontend.detokenizer import TextDecoder
-
-    real = TextDecoder.stream
-
-    class Failing:
-        def __init__(self, inner):
-            self.inner, self.calls = inner, 0
-
-        def step(self, backend, token):
-            self.calls += 1
-            if self.calls == 4:
-                raise RuntimeError("InvalidPrefix")
-            return self.inner.step(backend, token)
-
-    monkeypatch.setattr(TextDecoder, "stream", lambda self, ids, skip: Failing(real(self, ids, skip)))
+    made = watch_streams(monkeypatch, fail_at=4)
     for text in TEXTS:
         deltas, final, _, ids = stream(tok, text, SamplingParams(max_tokens=100))
         assert "".join(deltas) == tok.decode(ids) == final.outputs[0].text
         assert not any("\ufffd" in d for d in deltas)
+    assert [w.calls for w in made] == [4, 4]  # each failed at its 4th token, and was used no more
 
 
 def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(tok, monkeypatch):

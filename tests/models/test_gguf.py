@@ -247,13 +247,32 @@ def test_two_processes_converting_at_once_leave_one_whole_conversion(gguf_path, 
     import subprocess
     import sys
 
-    script = ("import sys, torch; from streamserve.models.resolve import resolve_model; "
-              "print(resolve_model(sys.argv[1], None, torch.float32))")
+    # Each, its conversion half written (before the weights), waits until the other's is too.
+    script = """if True:
+        import os, sys, time, torch
+        import safetensors.torch
+        from streamserve.models.resolve import resolve_model
+        save, barrier = safetensors.torch.save_file, sys.argv[2]
+
+        def wait_then_save(*args, **kwargs):
+            if not os.path.exists(os.path.join(barrier, str(os.getpid()))):
+                open(os.path.join(barrier, str(os.getpid())), "w").close()
+                deadline = time.time() + 120
+                while len(os.listdir(barrier)) < 2 and time.time() < deadline:
+                    time.sleep(0.01)
+            return save(*args, **kwargs)
+
+        safetensors.torch.save_file = wait_then_save
+        print(resolve_model(sys.argv[1], None, torch.float32))
+    """
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
     env = {**os.environ, "STREAMSERVE_CACHE": str(tmp_path / "shared")}
-    procs = [subprocess.Popen([sys.executable, "-c", script, gguf_path], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", script, gguf_path, str(barrier)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
+    assert len(os.listdir(barrier)) == 2  # both converted: neither found the other's conversion done
     folder = outs[0][0].strip()
     assert outs[1][0].strip() == folder
     assert {"config.json", "model.safetensors"} <= set(os.listdir(folder))

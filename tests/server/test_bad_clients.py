@@ -48,16 +48,21 @@ def test_a_seed_out_of_range_is_refused_and_harms_no_one(llama_dir):
                 async with session.post(url + "/v1/completions", json={
                         "prompt": "x", "max_tokens": 3, "seed": 2 ** 64, "temperature": 1}) as r:
                     too_big = (r.status, await r.json())
-                async with session.post(url + "/v1/completions", json={
-                        "prompt": "x", "max_tokens": 3, "seed": 2 ** 64 - 1, "n": 2, "temperature": 1}) as r:
+                sample = {"prompt": "x", "max_tokens": 8, "temperature": 1, "ignore_eos": True}
+                async with session.post(url + "/v1/completions", json={**sample, "seed": 2 ** 64 - 1, "n": 2}) as r:
                     wrapped = (r.status, await r.json())
+                alone = []
+                for seed in (2 ** 64 - 1, 0):
+                    async with session.post(url + "/v1/completions", json={**sample, "seed": seed}) as r:
+                        alone.append((await r.json())["choices"][0]["text"])
                 frames = await read_stream(stream)
         await runner.cleanup()
-        return too_big, wrapped, frames
+        return too_big, wrapped, alone, frames
 
-    (status, error), (ok, body), frames = asyncio.run(main())
+    (status, error), (ok, body), alone, frames = asyncio.run(main())
     assert status == 400 and "seed" in error["error"]["message"]
-    assert ok == 200 and len(body["choices"]) == 2
+    assert ok == 200 and [c["text"] for c in body["choices"]] == alone  # seeds 2^64 - 1, then 0
+    assert alone[0] != alone[1]
     assert not any("error" in f for f in frames) and frames[-1]["choices"][0]["finish_reason"] == "length"
 
 
@@ -164,22 +169,24 @@ def test_leaving_a_stream_that_only_had_keepalives_aborts_it_quietly(llama_dir, 
     async def main():
         runner, engine, url = await start(llama_dir, max_num_seqs=1, sse_keepalive_seconds=0.05)
         slow_steps(engine, 0.005)  # the busy request holds the one slot a while
+        aborted = record_aborts(engine)
         async with aiohttp.ClientSession() as session:
             busy = asyncio.ensure_future(session.post(url + "/v1/completions", json=long_body(max_tokens=200)))
             await asyncio.sleep(0.2)
-            async with session.post(url + "/v1/completions", json=long_body(stream=True)) as waiting:
+            async with session.post(url + "/v1/completions", json=long_body(stream=True, max_tokens=400)) as waiting:
                 assert (await waiting.content.readline()).startswith(b": keep-alive")
                 await waiting.content.readline()
                 waiting.close()
             await asyncio.sleep(0.3)
-            (await busy).close()
+            (await busy).close()  # the busy one ran to its end
         left = await settle(engine)
         await runner.cleanup()
-        return left
+        return left, aborted
 
     with caplog.at_level(logging.ERROR):
-        free, total, busy = asyncio.run(main())
+        (free, total, busy), aborted = asyncio.run(main())
     assert free == total and not busy
+    assert len(aborted) == 1  # the waiting one, never run
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
@@ -192,25 +199,27 @@ def test_only_the_servers_own_pages_may_open_its_websocket(llama_dir):
         for allowed in (None, "https://chat.example, http://other:9"):
             runner, engine, url = await start(llama_dir, allowed_origins=allowed)
             async with aiohttp.ClientSession() as session:
-                for origin in (None, url, "https://evil.example", "https://chat.example"):
+                for name, origin in ((None, None), ("own", url), ("evil", "https://evil.example"),
+                                     ("chat", "https://chat.example")):
                     try:
                         async with session.ws_connect(url + "/v1/ws", origin=origin) as ws:
                             await ws.send_json({"type": "request", "id": "a", "endpoint": "completions",
                                                 "body": {"prompt": "hi", "max_tokens": 1}})
-                            results[allowed, origin] = (await ws.receive_json(timeout=30))["type"]
+                            results[allowed, name] = (await ws.receive_json(timeout=30))["type"]
                     except aiohttp.WSServerHandshakeError as exc:
-                        results[allowed, origin] = exc.status
+                        results[allowed, name] = exc.status
                 async with session.get(url + "/static/chat.js%00") as r:
                     results["nul"] = r.status
             await runner.cleanup()
-        return results, url
+        return results
 
-    results, url = asyncio.run(main())
+    results = asyncio.run(main())
     assert results["nul"] == 404
     for allowed in (None, "https://chat.example, http://other:9"):
-        assert results[allowed, None] == "chunk" and results[allowed, "https://evil.example"] == 403
-    assert results[None, "https://chat.example"] == 403
-    assert results["https://chat.example, http://other:9", "https://chat.example"] == "chunk"
+        assert results[allowed, None] == results[allowed, "own"] == "chunk"
+        assert results[allowed, "evil"] == 403
+    assert results[None, "chat"] == 403
+    assert results["https://chat.example, http://other:9", "chat"] == "chunk"
 
 
 def test_leaving_a_batch_aborts_every_prompt_in_it(llama_dir, caplog):

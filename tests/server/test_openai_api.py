@@ -112,6 +112,9 @@ def test_n_samples_and_stop(client):
     result = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10,
                                        temperature=1.0, n=2, seed=5)
     assert sorted(c.index for c in result.choices) == [0, 1]
+    alone = [client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10,
+                                       temperature=1.0, seed=seed).choices[0].text for seed in (5, 6)]
+    assert [c.text for c in result.choices] == alone and alone[0] != alone[1]  # sample k: seed 5 + k
     greedy = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=10, temperature=0)
     text = greedy.choices[0].text
     stop = next((text[i:i + 2] for i in range(1, len(text) - 1)

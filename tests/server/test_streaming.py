@@ -73,25 +73,41 @@ def test_abandoned_streams_are_aborted_and_free_their_blocks(llama_dir):
     assert free == total and not busy
 
 
-def test_metrics_count_what_was_served(llama_dir):
-    async def main():
-        runner, engine, url = await start(llama_dir)
-        async with aiohttp.ClientSession() as session:
-            for prompt in ("hello world " * 3, "hello world " * 3 + "again"):
-                await stream_text(session, url, {"prompt": prompt, "max_tokens": 5, "temperature": 0,
-                                                 "ignore_eos": True})
-            async with session.get(url + "/metrics") as r:
-                assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
-                text = await r.text()
-        await runner.cleanup()
-        return text
-
-    text = asyncio.run(main())
+def parse_metrics(text: str) -> dict[str, float]:
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
+    return values
+
+
+def test_metrics_count_what_was_served(llama_dir):
+    """After two requests, the counters hold exactly what was served; scraped while a third
+    runs, one request is running and part of the KV cache in use."""
+    prompts = ("hello world " * 3, "hello world " * 3 + "again")
+
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        async with aiohttp.ClientSession() as session:
+            for prompt in prompts:
+                await stream_text(session, url, {"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                 "ignore_eos": True})
+            async with session.get(url + "/metrics") as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+                text = await r.text()
+            slow_steps(engine, 0.005)
+            body = {"prompt": "x " * 40, "max_tokens": 300, "ignore_eos": True, "stream": True}
+            async with session.post(url + "/v1/completions", json=body) as running:
+                await running.content.readline()
+                async with session.get(url + "/metrics") as r:
+                    during = await r.text()
+                running.close()
+        await runner.cleanup()
+        return text, during, [len(engine.renderer.encode(p)) for p in prompts]
+
+    text, during, prompt_lengths = asyncio.run(main())
+    values, during = parse_metrics(text), parse_metrics(during)
     name = llama_dir
     assert values[f'streamserve:generation_tokens_total{{model_name="{name}"}}'] == 10
     assert values[f'streamserve:request_success_total{{finished_reason="length",model_name="{name}"}}'] == 2
@@ -102,7 +118,9 @@ def test_metrics_count_what_was_served(llama_dir):
     assert values[f'streamserve:num_requests_running{{model_name="{name}"}}'] == 0
     assert values[f'streamserve:kv_cache_usage_perc{{model_name="{name}"}}'] == 0
     assert values[f'streamserve:prefix_cache_hits_total{{model_name="{name}"}}'] > 0
-    assert values[f'streamserve:prompt_tokens_total{{model_name="{name}"}}'] > 0
+    assert values[f'streamserve:prompt_tokens_total{{model_name="{name}"}}'] == sum(prompt_lengths)
+    assert during[f'streamserve:num_requests_running{{model_name="{name}"}}'] == 1
+    assert 0 < during[f'streamserve:kv_cache_usage_perc{{model_name="{name}"}}'] < 1
 
 
 def test_keepalive_comments_and_body_limit(llama_dir):
