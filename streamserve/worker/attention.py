@@ -98,10 +98,12 @@ class TorchPagedAttention:
             # Query j sits at position ctx + j and sees keys 0 .. ctx + j.
             mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=ctx)
             causal = False
+        # [1, H, n, D]: with a batch dimension torch runs its flash kernel on the CPU; without
+        # one it fell back to the math path (a 512-token chunk: 27 -> 12 ms a layer)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
             is_causal=causal, scale=self.scale, enable_gqa=self.group > 1)
-        return out.transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+        return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
