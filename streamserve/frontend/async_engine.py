@@ -103,7 +103,7 @@ class AsyncEngine:
         Closing the iterator early (a client went away) aborts the request."""
         if not self.is_ready:
             raise EngineDeadError("the engine is not ready")
-        taken = lambda rid: rid in self._queues or self.output_processor.in_use(rid, params.n)  # noqa: E731
+        taken = lambda rid: rid in self._queues or rid in self.output_processor.parents  # noqa: E731
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while taken(request_id):  # a caller named one of its own so

@@ -1,11 +1,13 @@
 """OutputProcessor: engine outputs -> text, stop strings, finish reasons, RequestOutputs.
 
-A request with n > 1 is n engine requests ("child" ids `<id>#<k>`) that the
-processor gathers back into one RequestOutput with n CompletionOutputs.
+A request is n engine requests ("child" ids `<id>#<serial>-<k>`, the serial new for each
+request: outputs still on their way for an aborted request match no later one of the same
+id) that the processor gathers back into one RequestOutput with n CompletionOutputs.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
@@ -15,10 +17,6 @@ from streamserve.engine.request import EngineCoreOutput
 from streamserve.frontend.detokenizer import IncrementalDetokenizer, TextDecoder
 from streamserve.outputs import CompletionOutput, Logprob, RequestOutput
 from streamserve.sampling_params import SamplingParams
-
-
-def child_request_id(request_id: str, index: int, n: int) -> str:
-    return request_id if n == 1 else f"{request_id}#{index}"
 
 
 class ProcessedOutputs(NamedTuple):
@@ -65,13 +63,13 @@ class OutputProcessor:
         self.decoder = TextDecoder(tokenizer)
         self.parents: dict[str, _ParentState] = {}
         self.child_to_sample: dict[str, tuple[_ParentState, _Sample]] = {}
+        self._serials = itertools.count()
 
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     params: SamplingParams, stream: bool = False) -> list[str]:
         """Track a request; returns the engine (child) request ids to submit. A streamed
-        request also gets a delta RequestOutput each step it changes. An id in use (as a
-        request's or as one of its engine requests') is refused."""
-        if self.in_use(request_id, params.n):
+        request also gets a delta RequestOutput each step it changes. An id in use is refused."""
+        if request_id in self.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         samples = [_Sample(i, IncrementalDetokenizer(self.decoder, prompt_token_ids, params),
                            logprobs=[] if params.logprobs is not None else None,
@@ -79,15 +77,11 @@ class OutputProcessor:
                    for i in range(params.n)]
         parent = _ParentState(request_id, prompt, prompt_token_ids, samples, stream)
         self.parents[request_id] = parent
-        child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
+        serial = next(self._serials)
+        child_ids = [f"{request_id}#{serial}-{k}" for k in range(params.n)]
         for child_id, sample in zip(child_ids, samples):
             self.child_to_sample[child_id] = (parent, sample)
         return child_ids
-
-    def in_use(self, request_id: str, n: int) -> bool:
-        """Whether a request of this id and n would share an id with one being tracked."""
-        return request_id in self.parents or any(
-            child_request_id(request_id, i, n) in self.child_to_sample for i in range(n))
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a request; returns its unfinished engine request ids, to abort."""

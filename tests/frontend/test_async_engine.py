@@ -10,7 +10,7 @@ import pytest
 from streamserve import LLM, SamplingParams
 from streamserve.config import Config
 from streamserve.frontend.async_engine import AsyncEngine, EngineDeadError
-from live_server import record_aborts
+from live_server import record_aborts, slow_steps
 
 PROMPTS = ["The quick brown fox", "Paris is the capital of", "hello world", "def add(a, b):",
            "Once upon a time", "Streaming servers send", "user assistant", "Caf\u00e9 \U0001f600"]
@@ -121,35 +121,46 @@ def test_bad_requests_fail_alone(llama_dir):
     assert len(asyncio.run(main())[1]) == 3
 
 
-def test_a_request_id_that_names_another_requests_sample_is_refused(llama_dir):
-    """Samples of an n=2 request "a" run as engine requests "a#0" and "a#1": a request named
-    "a#0" is refused (it took over that sample, and "a" never finished); a generated id
-    steps over one a caller took."""
+def test_request_ids_are_the_callers_and_engine_ids_are_never_reused(llama_dir):
+    """A caller's id may look like an engine id ("a#0-0" beside "a" with n=2) and be used
+    again once its request ends; outputs still on their way for an aborted "x" do not reach
+    the next "x" (engine ids carry a serial); an id in use is refused; a generated id steps
+    over one a caller took."""
     async def main():
         engine = make_engine(llama_dir)
         engine.start()
         await engine.wait_ready()
         ids = engine.renderer.encode("hello world")
 
-        async def run(rid, params):
-            return [d async for d in engine.generate(ids, params, request_id=rid)]
+        async def run(rid, params, prompt=ids):
+            return [d async for d in engine.generate(prompt, params, request_id=rid)]
 
         a = asyncio.create_task(run("a", SamplingParams(n=2, max_tokens=30, ignore_eos=True)))
         taken = asyncio.create_task(run("req-0", SamplingParams(max_tokens=30, ignore_eos=True)))
         await asyncio.sleep(0)  # both registered
-        with pytest.raises(ValueError, match="already in use"):
-            await run("a#0", SamplingParams(max_tokens=4))
+        lookalike = await asyncio.wait_for(run("a#0-0", SamplingParams(max_tokens=4, ignore_eos=True)), 30)
         with pytest.raises(ValueError, match="already in use"):
             await run("a", SamplingParams(max_tokens=4))
         generated = await asyncio.wait_for(run(None, SamplingParams(max_tokens=4)), 30)
         outputs = await asyncio.wait_for(a, 30)
         await asyncio.wait_for(taken, 30)
-        await engine.shutdown()
-        return generated, outputs
 
-    generated, outputs = asyncio.run(main())
+        slow_steps(engine, 0.2)
+        old = engine.generate([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=50), request_id="x")
+        await anext(old)  # it runs
+        time.sleep(0.6)  # the loop busy: the engine thread finishes a step for "x" meanwhile
+        await old.aclose()  # aborted: the id is free, that step's output still on its way
+        again = await run("x", SamplingParams(temperature=0, max_tokens=1), [9, 10, 11])
+        fresh = await run("y", SamplingParams(temperature=0, max_tokens=1), [9, 10, 11])
+        await engine.shutdown()
+        return lookalike, generated, outputs, again, fresh
+
+    lookalike, generated, outputs, again, fresh = asyncio.run(main())
+    tokens = lambda deltas: [t for d in deltas for s in d.outputs for t in s.token_ids]  # noqa: E731
+    assert len(tokens(lookalike)) == 4 and lookalike[-1].finished
     assert generated[0].request_id != "req-0" and generated[-1].finished
-    assert outputs[-1].finished and sum(len(s.token_ids) for d in outputs for s in d.outputs) == 60
+    assert outputs[-1].finished and len(tokens(outputs)) == 60
+    assert tokens(again) == tokens(fresh)  # not "x"'s old tokens
 
 
 def test_a_model_that_fails_to_load_is_reported(llama_dir, tmp_path):

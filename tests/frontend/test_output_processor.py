@@ -22,11 +22,11 @@ def stream(tok, text: str, params: SamplingParams, finish_at: Optional[int] = No
     """Feed `text`'s tokens one per step; return (deltas, final output, aborted ids)."""
     ids = tok.encode(text)
     proc = OutputProcessor(tok)
-    proc.add_request("r", None, [1, 2, 3], params, stream=True)
+    [child] = proc.add_request("r", None, [1, 2, 3], params, stream=True)
     deltas, final, aborted = [], None, []
     last = len(ids) - 1 if finish_at is None else finish_at
     for i, t in enumerate(ids[:last + 1]):
-        out = proc.process_outputs([EngineCoreOutput("r", [t], None, "length" if i == last else None,
+        out = proc.process_outputs([EngineCoreOutput(child, [t], None, "length" if i == last else None,
                                                      None, 0)])
         deltas += [d.outputs[0].text for d in out.deltas]
         aborted += out.to_abort
@@ -51,7 +51,7 @@ def test_a_stop_string_is_never_sent_even_in_part(tok):
     deltas, final, aborted, _ = stream(tok, text, SamplingParams(max_tokens=100, stop=["quick"]))
     assert final.outputs[0].text == "hello world, the "
     assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason == "quick"
-    assert aborted == ["r"]  # the engine request ends as soon as the stop string matches
+    assert aborted == ["r#0-0"]  # the engine request ends as soon as the stop string matches
     sent = ""
     for d in deltas:
         sent += d
@@ -168,10 +168,10 @@ def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(tok, m
 
     def output_text() -> str:
         proc = OutputProcessor(tok)
-        proc.add_request("r", None, ids[:cut], SamplingParams(max_tokens=100))
+        [child] = proc.add_request("r", None, ids[:cut], SamplingParams(max_tokens=100))
         for i, t in enumerate(ids[cut:]):
             last = i == len(ids) - cut - 1
-            out = proc.process_outputs([EngineCoreOutput("r", [t], None, "length" if last else None, None, 0)])
+            out = proc.process_outputs([EngineCoreOutput(child, [t], None, "length" if last else None, None, 0)])
         return out.finished[0].outputs[0].text
 
     with_stream = output_text()
