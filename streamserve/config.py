@@ -213,6 +213,8 @@ class ServerConfig:
         "help": "require 'Authorization: Bearer KEY' on the API routes (/v1/*, /tokenize, "
                 "/detokenize; not /health, /metrics, /version or the chat page)"})
     max_n: int = field(default=16, metadata={"help": "largest n (samples per request) accepted"})
+    max_choices: int = field(default=1024, metadata={
+        "help": "most choices one completions request may ask for: the prompts of its batch times n"})
     max_request_bytes: int = field(default=4 * 1024 * 1024, metadata={
         "help": "largest request body accepted; larger ones get 413"})
     sse_keepalive_seconds: float = field(default=15.0, metadata={
@@ -227,6 +229,8 @@ class ServerConfig:
             raise ValueError(f"port ({self.port}) must be in [0, 65535]")
         if self.max_n < 1:
             raise ValueError(f"max_n ({self.max_n}) must be >= 1")
+        if self.max_choices < 1:
+            raise ValueError(f"max_choices ({self.max_choices}) must be >= 1")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes ({self.max_request_bytes}) must be >= 1024")
         if not self.sse_keepalive_seconds > 0:  # (nan too)

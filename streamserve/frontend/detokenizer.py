@@ -99,10 +99,9 @@ class IncrementalDetokenizer:
         self.stop = params.stop_list
         self.include_stop = params.include_stop_str_in_output
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
-        # Stop strings are looked for only in text after the first min_tokens tokens (vLLM's rule).
+        # Stop strings must end after the text of the first min_tokens tokens (vLLM's rule).
         self.min_tokens = params.min_tokens
         self.num_tokens = 0
-        self.stop_search_from = 0
         self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         # The window: text is decoded from ids[prefix_offset:]; ids[:read_offset] are emitted.
         self.prefix_offset = 0
@@ -117,7 +116,7 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int], finish_reason: Optional[str] = None) -> Optional[str]:
         """Add tokens; return the stop string if one now matches (the text is then final).
-        Text of the first min_tokens tokens is not searched.
+        A stop string must end after the text of the first min_tokens tokens.
 
         Once finished, bytes of an incomplete character are flushed as U+FFFD. A
         request the engine stopped (EOS or a stop token id) leaves that last
@@ -135,12 +134,11 @@ class IncrementalDetokenizer:
             delta = self._window_delta(finished)
         if not delta:
             return None
-        start = max(self.stop_search_from, len(self.output_text) - self.holdback)
+        new_from = len(self.output_text)
         self.output_text += delta
-        if self.num_tokens <= self.min_tokens:
-            self.stop_search_from = len(self.output_text)
+        if self.num_tokens <= self.min_tokens or not self.stop:
             return None
-        return self._check_stop(start) if self.stop else None
+        return self._check_stop(new_from)
 
     def _stream_delta(self, new_token_ids: list[int]) -> Optional[str]:
         """The backend's DecodeStream takes the tokens; the offsets follow its window. (It takes
@@ -171,10 +169,12 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return new_text[len(prefix_text):]
 
-    def _check_stop(self, search_from: int) -> Optional[str]:
+    def _check_stop(self, new_from: int) -> Optional[str]:
+        """The first stop string that ends in the text from `new_from` on (vLLM's rule: one
+        that begins in earlier text, of the first min_tokens tokens too, counts)."""
         best: Optional[tuple[int, str]] = None
         for s in self.stop:
-            idx = self.output_text.find(s, search_from)
+            idx = self.output_text.find(s, max(0, new_from - len(s) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:

@@ -33,8 +33,8 @@ class Renderer:
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
                     chat_template_kwargs: Optional[dict] = None, continue_final_message: bool = False) -> str:
         """The conversation as the prompt text the model was trained on; with
-        continue_final_message, open at the end of the last (assistant) message, for the
-        model to go on with it."""
+        continue_final_message, open at the end of the last message (an assistant's reply
+        begun, usually), for the model to go on with it."""
         if not messages:
             raise ValueError("messages is empty: give at least one message")
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -42,9 +42,6 @@ class Renderer:
         if continue_final_message and add_generation_prompt:
             raise ParamError("continue_final_message goes on with the last message: it cannot also "
                              "add a generation prompt (set add_generation_prompt to false)",
-                             "continue_final_message")
-        if continue_final_message and messages[-1].get("role") != "assistant":
-            raise ParamError("continue_final_message needs the last message to be the assistant's",
                              "continue_final_message")
         reserved = sorted(set(chat_template_kwargs or ()) & _TEMPLATE_PARAMETERS)
         if reserved:

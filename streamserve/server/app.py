@@ -309,6 +309,9 @@ class _Call:
                                                default_max_tokens=None if chat else 16,
                                                logprobs=protocol.logprobs_setting(body, chat))
         self.num_choices = len(self.prompts) * self.params.n
+        if self.num_choices > serving.server.max_choices:
+            raise bad_request(f"{len(self.prompts)} prompts x n={self.params.n} is {self.num_choices} choices: "
+                              f"at most {serving.server.max_choices} (--max-choices)", "prompt")
         for p, (text, ids) in enumerate(self.prompts):
             which = f"prompt {p} of the batch: " if len(self.prompts) > 1 else ""
             if self.params.max_tokens is not None and self.params.max_tokens > max_model_len - len(ids):
@@ -374,10 +377,12 @@ class _Call:
                 "top_logprobs": [_top_by_text(e) for e in entries],
                 "text_offset": offsets}
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
-        prompt = sum(len(ids) for _, ids in self.prompts)
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-                "total_tokens": prompt + completion_tokens}
+    def usage(self, completion_tokens: int, prompt_index: Optional[int] = None) -> dict[str, int]:
+        """Usage of every prompt (or of the one at `prompt_index`) with these completion tokens."""
+        prompts = self.prompts if prompt_index is None else [self.prompts[prompt_index]]
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -472,21 +477,30 @@ async def _with_keepalive(outputs: AsyncIterator[RequestOutput], every: float,
 
 async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[dict[str, Any]]:
     """The stream's chunk objects, as OpenAI sends them: the role first (chat), the text
-    deltas, one finish_reason per choice, then the usage chunk when asked for (and with
-    continuous usage, the tokens so far in every chunk)."""
-    completion_tokens = 0
-    so_far = lambda: call.usage(completion_tokens) if call.continuous_usage else None  # noqa: E731
-    text_offsets = [0] * call.num_choices
+    deltas, one finish_reason per choice, then the usage chunk when asked for. With
+    continuous usage, each chunk holds one choice and that choice's usage so far (its
+    prompt's tokens, its own completion tokens), as vLLM sends them."""
+    n = call.num_choices
+    completion_tokens, text_offsets = [0] * n, [0] * n
+
+    def chunks(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not call.continuous_usage:
+            return [call.chunk(choices)] if choices else []
+        return [call.chunk([c], call.usage(completion_tokens[c["index"]], c["index"] // call.params.n))
+                for c in choices]
+
     if call.chat:  # the first chunk of each choice carries the role
-        yield call.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                           "logprobs": None, "finish_reason": None} for i in range(call.num_choices)], so_far())
+        for chunk in chunks([{"index": i, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None} for i in range(n)]):
+            yield chunk
     elif call.echo:  # echo: the prompt comes first
-        yield call.chunk([{"index": i, "text": call.prompt_text(i), "logprobs": None, "finish_reason": None}
-                          for i in range(call.num_choices)], so_far())
+        for chunk in chunks([{"index": i, "text": call.prompt_text(i), "logprobs": None, "finish_reason": None}
+                             for i in range(n)]):
+            yield chunk
     async for delta in outputs:
         choices = []
         for s in delta.outputs:
-            completion_tokens += len(s.token_ids)
+            completion_tokens[s.index] += len(s.token_ids)
             if not s.text and s.finish_reason is None and not s.logprobs:
                 continue
             choice = {"index": s.index, "logprobs": call.logprobs(s.logprobs, text_offsets[s.index]),
@@ -498,10 +512,10 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
             else:
                 choice["text"] = s.text
             choices.append(choice)
-        if choices:
-            yield call.chunk(choices, so_far())
+        for chunk in chunks(choices):
+            yield chunk
     if call.include_usage:
-        yield call.chunk([], usage=call.usage(completion_tokens))
+        yield call.chunk([], usage=call.usage(sum(completion_tokens)))
 
 
 def in_band_error(exc: Exception, what: str) -> APIError:

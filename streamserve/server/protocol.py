@@ -147,7 +147,8 @@ def stream_options(body: dict[str, Any]) -> tuple[bool, bool, bool]:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", "stream_options")
     if not isinstance(options, dict):
         raise bad_request("'stream_options' must be an object", "stream_options")
-    flags = [options.get(key, False) for key in ("include_usage", "continuous_usage_stats")]
+    flags = [options.get(key) for key in ("include_usage", "continuous_usage_stats")]
+    flags = [False if flag is None else flag for flag in flags]  # null: the default, as vLLM takes it
     if not all(isinstance(flag, bool) for flag in flags):
         raise bad_request("'stream_options' takes booleans", "stream_options")
     return stream, flags[0], flags[0] and flags[1]

@@ -90,7 +90,7 @@ class Sampler:
     def _top_k_top_p(self, logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
         vocab = logits.shape[-1]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ks = self.column([k if k > 0 else vocab for k in top_k], np.int64)
+        ks = self.column([k if 0 < k < vocab else vocab for k in top_k], np.int64)  # (any k: 2^70 too)
         ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
         drop = ranks >= ks
         ps = self.column(top_p)

@@ -186,10 +186,12 @@ def test_chat_continues_the_final_message_and_passes_template_variables(llm, tok
                    continue_final_message=True)
     assert out[0].prompt == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\nHello the"
     for bad in (dict(continue_final_message=True),  # with add_generation_prompt
-                dict(add_generation_prompt=False, continue_final_message=True, messages=CONVERSATIONS[0]),
                 dict(chat_template_kwargs={"tokenize": True}), dict(chat_template_kwargs={"messages": []})):
         with pytest.raises(ValueError):
-            llm.chat(bad.pop("messages", conversation), greedy(1), use_tqdm=False, **bad)
+            llm.chat(conversation, greedy(1), use_tqdm=False, **bad)
+    user = llm.chat(CONVERSATIONS[0], greedy(1), use_tqdm=False, add_generation_prompt=False,
+                    continue_final_message=True)  # any last message, as vLLM takes it
+    assert user[0].prompt == "<|im_start|>user\nhello world"
     template = tok.chat_template
     tok.chat_template = "{% if greeting %}{{ greeting }} {% endif %}{{ messages[0]['content'] }}"
     try:

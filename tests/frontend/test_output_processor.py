@@ -66,14 +66,17 @@ def test_include_stop_str_in_output(tok):
 
 
 def test_stop_strings_are_not_looked_for_in_the_first_min_tokens_tokens(tok):
-    """As vLLM does: below min_tokens no stop ends the request, stop strings included; the
-    text of those first tokens is not searched, the text after them is."""
+    """As vLLM does: below min_tokens no stop ends the request, stop strings included: a stop
+    string must end after the text of those first tokens."""
     text = "a b a b a b c"
     ids = tok.encode(text)
     assert [tok.decode(ids[:i]) for i in (1, 3)] == ["a", "a b a"]  # one token a word
     _, final, _, _ = stream(tok, text, SamplingParams(max_tokens=100, stop=["a"], min_tokens=3))
     out = final.outputs[0]
     assert (out.text, out.finish_reason, out.stop_reason) == ("a b a b ", "stop", "a")
+    # one that begins in the first min_tokens' text and ends after it counts
+    _, final, _, _ = stream(tok, text, SamplingParams(max_tokens=100, stop=["a b"], min_tokens=3))
+    assert (final.outputs[0].text, final.outputs[0].stop_reason) == ("a b ", "a b")
     _, final, _, _ = stream(tok, text, SamplingParams(max_tokens=100, stop=["a"], min_tokens=len(ids)))
     assert final.outputs[0].text == text and final.outputs[0].finish_reason == "length"
 

@@ -100,12 +100,28 @@ def test_continuous_usage_puts_the_tokens_so_far_in_every_chunk(client, server):
     assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 8 and len(set(counts)) > 2
     assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
     assert chunks[-1].choices == []
+    # a batch with n: each chunk one choice, with its prompt's tokens and its own tokens so far
+    prompts = ["hello world", "one two three four five six"]
+    lengths = [client.completions.create(model="tiny", prompt=p, max_tokens=1).usage.prompt_tokens for p in prompts]
+    chunks = list(client.completions.create(
+        model="tiny", prompt=prompts, n=2, max_tokens=5, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    seen: dict[int, list[int]] = {}
+    for c in chunks[:-1]:
+        [choice] = c.choices
+        assert c.usage.prompt_tokens == lengths[choice.index // 2]
+        seen.setdefault(choice.index, []).append(c.usage.completion_tokens)
+    assert sorted(seen) == [0, 1, 2, 3] and all(v == sorted(v) and v[-1] == 5 for v in seen.values())
+    assert chunks[-1].usage.prompt_tokens == sum(lengths) and chunks[-1].usage.completion_tokens == 20
     plain = list(client.completions.create(model="tiny", prompt="hello", max_tokens=3, stream=True,
                                            stream_options={"include_usage": True}))
     assert [c.usage is None for c in plain] == [True] * (len(plain) - 1) + [False]
     status, error = post(server + "/v1/completions", {"prompt": "hi", "stream": True,
                                                       "stream_options": {"continuous_usage_stats": 1}})
     assert status == 400 and error["error"]["param"] == "stream_options"
+    nulls = list(client.completions.create(model="tiny", prompt="hello", max_tokens=2, stream=True,
+                                           stream_options={"include_usage": None, "continuous_usage_stats": None}))
+    assert all(c.usage is None for c in nulls)  # null: the default, as vLLM takes it
 
 
 def test_n_samples_and_stop(client):
@@ -159,6 +175,8 @@ def test_a_bad_prompt_in_a_batch_refuses_the_batch(server):
         assert status == 400 and error["error"]["param"] in ("prompt", "max_tokens"), (prompt, error)
     status, error = post(server + "/v1/completions", {"prompt": ["hi", [10 ** 6]]})
     assert error["error"]["message"].startswith("prompt 1 of the batch: "), error
+    status, error = post(server + "/v1/completions", {"prompt": ["hi"] * 65, "n": 16, "max_tokens": 1})
+    assert status == 400 and error["error"]["param"] == "prompt" and "1040 choices" in error["error"]["message"]
 
 
 def test_bad_requests_raise_the_clients_errors(client):
@@ -255,7 +273,6 @@ def test_chat_goes_on_with_the_final_message(server, client, offline):
     user = [{"role": "user", "content": "x"}]
     for body, param in [({"messages": messages, "continue_final_message": True, "add_generation_prompt": True},
                          "continue_final_message"),
-                        ({"messages": user, "continue_final_message": True}, "continue_final_message"),
                         ({"messages": user, "continue_final_message": "yes"}, "continue_final_message"),
                         ({"messages": user, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
                         ({"messages": user, "chat_template_kwargs": ["x"]}, "chat_template_kwargs")]:

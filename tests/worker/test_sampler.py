@@ -422,3 +422,12 @@ def test_the_per_row_settings_reach_the_device_through_the_staging_buffer(monkey
     tokens, logprobs = sampler(torch.randn(2, 30), rows)
     assert len(tokens) == 2 and logprobs[0] is not None and tokens[0] not in (0, 7)
     assert len(staged) >= 10
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_it_all():
+    """top_k of 2^70 (no upper bound in the API) is the whole vocabulary, as a top_k the
+    vocabulary's size is (it overflowed the int64 column and failed the step for everyone)."""
+    logits = torch.randn(2, 30)
+    rows = [make_row(SamplingParams(top_k=k), req_id=str(i)) for i, k in enumerate((2 ** 70, 2))]
+    probs = Sampler(CPU, seed=0)._filtered_probs(logits, rows)
+    assert torch.allclose(probs[0], torch.softmax(logits[0], -1)) and int((probs[1] > 0).sum()) == 2
