@@ -40,3 +40,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then per token its
+    # {token_id: Logprob} (itself first, then the top N); in a stream, on one delta, whole
+    prompt_logprobs: Optional[SampleLogprobs] = None

@@ -35,6 +35,8 @@ class SamplingParams:
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
     logprobs: Optional[int] = None
+    # the logprob of each prompt token given those before it, with the top N (vLLM's)
+    prompt_logprobs: Optional[int] = None
     logit_bias: Optional[dict[int, float]] = None  # token ID -> added to its logit (-100 bans it)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -73,6 +75,8 @@ class SamplingParams:
              "min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(isinstance(s, str) and s for s in self.stop_list),
              "stop", "stop must be a non-empty string or a list of non-empty strings"),
             (self.logit_bias is None or all(

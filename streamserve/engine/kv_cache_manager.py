@@ -56,9 +56,10 @@ class KVCacheManager:
         """The longest cached prefix of full blocks, and how many tokens it covers.
 
         The last token is never taken from the cache: the request must compute at
-        least one token to get logits to sample from.
+        least one token to get logits to sample from. Nor is any while the request's
+        prompt logprobs are not all computed.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.wants_prompt_logprobs:
             return [], 0
         self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

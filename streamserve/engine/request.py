@@ -62,6 +62,8 @@ class EngineCoreOutput(NamedTuple):
     num_cached_tokens: int
     # Seconds from arrival to first being scheduled; on a request's first output only.
     queue_time: Optional[float] = None
+    # Prompt logprobs computed this step, in order: the first predicts prompt token 1, ...
+    new_prompt_logprobs: Optional[list[TokenLogprobs]] = None
 
 
 def validate_prompt(prompt_token_ids: list[int], params: SamplingParams,
@@ -86,7 +88,7 @@ class Request:
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "eos_token_id",
                  "arrival_time", "max_tokens", "all_token_ids", "output_token_ids",
                  "num_computed_tokens", "num_cached_tokens", "status", "stop_reason",
-                 "block_hashes", "num_preemptions", "first_scheduled_time")
+                 "block_hashes", "num_preemptions", "first_scheduled_time", "num_prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: Optional[int],
@@ -109,6 +111,14 @@ class Request:
         self.block_hashes: list[int] = []  # one per full block of all_token_ids, chained
         self.num_preemptions = 0
         self.first_scheduled_time: Optional[float] = None
+        self.num_prompt_logprobs = 0  # prompt logprobs reported so far (of num_prompt_tokens - 1)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether prompt positions must still be computed for their logprobs (so none may
+        come from the prefix cache)."""
+        return (self.sampling_params.prompt_logprobs is not None
+                and self.num_prompt_logprobs < self.num_prompt_tokens - 1)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> "Request":

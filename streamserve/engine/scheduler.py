@@ -146,6 +146,8 @@ class Scheduler:
         """Append sampled tokens, finish what is done, free it, report every change."""
         outputs: list[EngineCoreOutput] = []
         logprobs, requests = runner_output.logprobs, self.requests
+        prompt_logprobs = self._new_prompt_logprobs(runner_output.prompt_logprobs) \
+            if runner_output.prompt_logprobs else {}
         any_finished = False
         for i, (req_id, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = requests.get(req_id)
@@ -159,14 +161,30 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 req_id, [token], None if logprobs is None or logprobs[i] is None else [logprobs[i]],
                 request.status.finish_reason if finished else None,
-                request.stop_reason, request.num_cached_tokens, queue_time))
+                request.stop_reason, request.num_cached_tokens, queue_time, prompt_logprobs.pop(req_id, None)))
             if finished:
                 any_finished = True
                 del self.requests[req_id]
                 self._free(request)
         if any_finished:
             self.running = [r for r in self.running if not r.status.finished]
+        for req_id, entries in prompt_logprobs.items():  # of prompt chunks that sampled nothing yet
+            outputs.append(EngineCoreOutput(req_id, [], None, None, None, requests[req_id].num_cached_tokens,
+                                            new_prompt_logprobs=entries))
         return outputs
+
+    def _new_prompt_logprobs(self, computed: dict[str, tuple[int, list]]) -> dict[str, list]:
+        """The prompt logprobs not reported yet (a preempted request computes some again)."""
+        new = {}
+        for req_id, (first, entries) in computed.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            fresh = entries[max(0, request.num_prompt_logprobs - first):]
+            if fresh and first <= request.num_prompt_logprobs:
+                request.num_prompt_logprobs += len(fresh)
+                new[req_id] = fresh
+        return new
 
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -62,3 +62,6 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    # req_id -> (first prompt position scored, its TokenLogprobs and the next ones'): position
+    # p scores prompt token p + 1
+    prompt_logprobs: Optional[dict[str, tuple[int, list[TokenLogprobs]]]] = None

@@ -64,6 +64,8 @@ class InputProcessor:
             child_params = params
             if params.seed is not None and k:
                 child_params = dataclasses.replace(params, seed=(params.seed + k) % 2 ** 64)
+            if params.prompt_logprobs is not None and k:  # one sample scores the prompt for all
+                child_params = dataclasses.replace(child_params, prompt_logprobs=None)
             requests.append(EngineCoreRequest(child_id, prompt_token_ids, child_params, eos, arrival))
         return requests
 

@@ -47,6 +47,9 @@ class _ParentState:
     stream: bool = False
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # [None, then one {token: Logprob} per prompt token after the first] when asked for
+    prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
+    prompt_logprobs_streamed: bool = False
     num_unfinished: int = field(init=False)  # samples without a finish reason yet
 
     def __post_init__(self) -> None:
@@ -75,7 +78,8 @@ class OutputProcessor:
                            logprobs=[] if params.logprobs is not None else None,
                            cumulative_logprob=0.0 if params.logprobs is not None else None)
                    for i in range(params.n)]
-        parent = _ParentState(request_id, prompt, prompt_token_ids, samples, stream)
+        parent = _ParentState(request_id, prompt, prompt_token_ids, samples, stream,
+                              prompt_logprobs=None if params.prompt_logprobs is None else [None])
         self.parents[request_id] = parent
         serial = next(self._serials)
         child_ids = [f"{request_id}#{serial}-{k}" for k in range(params.n)]
@@ -119,6 +123,10 @@ class OutputProcessor:
             sample.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None and sample.logprobs is not None:
                 self._add_logprobs(sample, out)
+            if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
+                for lp in out.new_prompt_logprobs:
+                    token = parent.prompt_token_ids[len(parent.prompt_logprobs)]
+                    parent.prompt_logprobs.append(self._entry(token, lp))
             stop = sample.detokenizer.update(out.new_token_ids, out.finish_reason)
             if stop is not None:  # a stop string wins over the engine's own reason
                 if out.finish_reason is None:
@@ -151,17 +159,25 @@ class OutputProcessor:
                 s.index, text, s.token_ids[start:end], s.cumulative_logprob,
                 None if s.logprobs is None else s.logprobs[start:end],
                 s.finish_reason, s.stop_reason))
+        prompt_logprobs = None
+        if (outputs and parent.prompt_logprobs is not None and not parent.prompt_logprobs_streamed
+                and len(parent.prompt_logprobs) == len(parent.prompt_token_ids)):
+            prompt_logprobs, parent.prompt_logprobs_streamed = parent.prompt_logprobs, True  # once, whole
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
-                             parent.finished, parent.num_cached_tokens, dict(parent.metrics))
+                             parent.finished, parent.num_cached_tokens, dict(parent.metrics), prompt_logprobs)
 
     def _add_logprobs(self, sample: _Sample, out: EngineCoreOutput) -> None:
         for token, lp in zip(out.new_token_ids, out.new_logprobs):
-            entry = {token: self._logprob(token, lp.sampled_logprob, lp.sampled_rank)}
-            for rank, (tid, val) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
-                if tid not in entry:
-                    entry[tid] = self._logprob(tid, val, rank)
-            sample.logprobs.append(entry)
+            sample.logprobs.append(self._entry(token, lp))
             sample.cumulative_logprob += lp.sampled_logprob
+
+    def _entry(self, token: int, lp) -> dict[int, Logprob]:
+        """One position's {token: Logprob}: the token there first, then the top N."""
+        entry = {token: self._logprob(token, lp.sampled_logprob, lp.sampled_rank)}
+        for rank, (tid, val) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
+            if tid not in entry:
+                entry[tid] = self._logprob(tid, val, rank)
+        return entry
 
     def _logprob(self, token: int, value: float, rank: int) -> Logprob:
         text = self.decoder.decode([token], False)
@@ -172,4 +188,5 @@ class OutputProcessor:
                                     s.cumulative_logprob, s.logprobs, s.finish_reason, s.stop_reason)
                    for s in parent.samples]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
-                             parent.finished, parent.num_cached_tokens, dict(parent.metrics))
+                             parent.finished, parent.num_cached_tokens, dict(parent.metrics),
+                             parent.prompt_logprobs)

@@ -308,6 +308,8 @@ class _Call:
         self.params = protocol.sampling_params(body, serving.server.max_n,
                                                default_max_tokens=None if chat else 16,
                                                logprobs=protocol.logprobs_setting(body, chat))
+        if self.echo and self.params.logprobs is not None:  # the echoed prompt's logprobs too
+            self.params = dataclasses.replace(self.params, prompt_logprobs=self.params.logprobs)
         self.num_choices = len(self.prompts) * self.params.n
         if self.num_choices > serving.server.max_choices:
             raise bad_request(f"{len(self.prompts)} prompts x n={self.params.n} is {self.num_choices} choices: "
@@ -372,10 +374,18 @@ class _Call:
             token = next(iter(entry.values())).decoded_token or ""
             tokens.append(token)
             text_offset += len(token)
-        return {"tokens": tokens,
-                "token_logprobs": [next(iter(e.values())).logprob for e in entries],
-                "top_logprobs": [_top_by_text(e) for e in entries],
+        logprobs = [next(iter(e.values())).logprob for e in entries]
+        return {"tokens": tokens, "token_logprobs": logprobs,
+                "top_logprobs": [None if lp is None else _top_by_text(e) for e, lp in zip(entries, logprobs)],
                 "text_offset": offsets}
+
+    def echoed_logprobs(self, delta: RequestOutput) -> tuple[int, list[dict[int, Logprob]]]:
+        """(prompt index, its tokens' logprob entries) of a delta that carries its prompt's
+        logprobs: the first token's has no logprob (null), as OpenAI's echo gives it."""
+        p = delta.outputs[0].index // self.params.n
+        first = delta.prompt_token_ids[0]
+        text = self.engine.output_processor.decoder.decode([first], False)
+        return p, [{first: Logprob(None, None, text)}] + delta.prompt_logprobs[1:]
 
     def usage(self, completion_tokens: int, prompt_index: Optional[int] = None) -> dict[str, int]:
         """Usage of every prompt (or of the one at `prompt_index`) with these completion tokens."""
@@ -399,8 +409,12 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
     n = call.num_choices
     texts, finish, tokens = [""] * n, [None] * n, [0] * n
     logprobs: list[Optional[list]] = [None if call.params.logprobs is None else [] for _ in range(n)]
+    echoed: dict[int, list] = {}  # prompt index -> its logprob entries (echo with logprobs)
     async with contextlib.aclosing(call.outputs()) as outputs:
         async for delta in outputs:
+            if delta.prompt_logprobs is not None and call.echo:
+                p, entries = call.echoed_logprobs(delta)
+                echoed[p] = entries
             for s in delta.outputs:
                 texts[s.index] += s.text
                 tokens[s.index] += len(s.token_ids)
@@ -414,7 +428,8 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
         kind = "chat.completion"
     else:
         choices = [{"index": i, "text": (call.prompt_text(i) if call.echo else "") + texts[i],
-                    "logprobs": call.logprobs(logprobs[i], 0),
+                    "logprobs": call.logprobs(None if logprobs[i] is None
+                                              else echoed.get(i // call.params.n, []) + logprobs[i], 0),
                     "finish_reason": finish[i]} for i in range(n)]
         kind = "text_completion"
     return json_response({"id": call.id, "object": kind, "created": call.created,
@@ -493,11 +508,20 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
         for chunk in chunks([{"index": i, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None} for i in range(n)]):
             yield chunk
-    elif call.echo:  # echo: the prompt comes first
+    elif call.echo and call.params.logprobs is None:  # echo: the prompt comes first
         for chunk in chunks([{"index": i, "text": call.prompt_text(i), "logprobs": None, "finish_reason": None}
                              for i in range(n)]):
             yield chunk
     async for delta in outputs:
+        if delta.prompt_logprobs is not None and call.echo:  # the prompt, with its logprobs, first
+            p, entries = call.echoed_logprobs(delta)
+            k = call.params.n
+            echoes = [{"index": i, "text": call.prompt_text(i), "logprobs": call.logprobs(entries, 0),
+                       "finish_reason": None} for i in range(p * k, p * k + k)]
+            for echo in echoes:
+                text_offsets[echo["index"]] = sum(map(len, echo["logprobs"]["tokens"]))
+            for chunk in chunks(echoes):
+                yield chunk
         choices = []
         for s in delta.outputs:
             completion_tokens[s.index] += len(s.token_ids)

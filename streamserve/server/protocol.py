@@ -129,8 +129,6 @@ def echo_setting(body: dict[str, Any], chat: bool) -> bool:
         raise bad_request("'echo' is a completions field", "echo")
     if not isinstance(echo, bool):
         raise bad_request("'echo' must be a boolean", "echo")
-    if body.get("logprobs") is not None:
-        raise bad_request("'echo' with 'logprobs' (prompt logprobs) is not supported", "echo")
     return True
 
 

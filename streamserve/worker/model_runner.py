@@ -26,7 +26,7 @@ from streamserve.worker.block_table import BlockTable
 from streamserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamserve.worker.request_state import RequestState
 from streamserve.worker.triton_attention import TritonAttentionMetadata, TritonPagedAttention
-from streamserve.worker.sampler import Sampler
+from streamserve.worker.sampler import Sampler, gather_logprobs
 from streamserve.worker.staging import HostStaging
 
 logger = logging.getLogger(__name__)
@@ -253,7 +253,7 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
-        input_ids, positions, meta, logits_indices, samplers = self._prepare_inputs(so)
+        input_ids, positions, meta, logits_indices, samplers, prompt_rows = self._prepare_inputs(so)
         with torch.inference_mode():
             if isinstance(meta, CStepInputs):
                 hidden = self.c_step(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
@@ -263,14 +263,28 @@ class ModelRunner:
             else:
                 hidden = self.model(input_ids, positions, self._attention(meta, self.kv_caches),
                                     self._reads_copies(len(input_ids)))
+            prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows) if prompt_rows else None
             if not samplers:
-                return ModelRunnerOutput([], [])
+                return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
             # the head by the rows sampled: a long prefill chunk still samples one row
             logits = self.model.compute_logits(hidden[logits_indices], self._reads_copies(len(logits_indices)))
             tokens, logprobs = self.sampler(logits, samplers)
         for state, token in zip(samplers, tokens):
             state.token_ids.append(token)
-        return ModelRunnerOutput([s.req_id for s in samplers], tokens, logprobs)
+        return ModelRunnerOutput([s.req_id for s in samplers], tokens, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> dict[str, tuple[int, list]]:
+        """req_id -> (first position, the TokenLogprobs of the prompt tokens those positions
+        predict), from the head over just those rows."""
+        rows, targets = self.to_device(np.array([r[0] for r in prompt_rows], dtype=np.int64)), \
+            self.to_device(np.array([r[1] for r in prompt_rows], dtype=np.int64))
+        logits = self.model.compute_logits(hidden[rows], self._reads_copies(len(prompt_rows))).float()
+        entries = gather_logprobs(torch.log_softmax(logits, dim=-1), targets,
+                                  [state.params.prompt_logprobs for _, _, state, _ in prompt_rows])
+        result: dict[str, tuple[int, list]] = {}
+        for (_, _, state, position), entry in zip(prompt_rows, entries):
+            result.setdefault(state.req_id, (position, []))[1].append(entry)
+        return result
 
     def _reads_copies(self, rows: int) -> bool:
         """Whether GEMMs over this many rows read the compact weights: the half-size copies, or a
@@ -332,6 +346,12 @@ class ModelRunner:
         # A decode row samples unless it reads a prompt token alone (a chunk of one).
         logits_indices = [i for i, (s, p) in enumerate(zip(decodes, computed)) if p + 1 == len(s.token_ids)]
         samplers = decodes if len(logits_indices) == nd else [decodes[i] for i in logits_indices]
+        # Rows whose logits score the next prompt token, for requests that ask for prompt logprobs:
+        # (row, that token, request, position)
+        prompt_rows: list[tuple[int, int, RequestState, int]] = []
+        if len(logits_indices) != nd:  # some decode rows read a prompt token alone
+            prompt_rows += [(i, s.token_ids[p + 1], s, p) for i, (s, p) in enumerate(zip(decodes, computed))
+                            if s.params.prompt_logprobs is not None and p + 1 < s.num_prompt_tokens]
 
         chunks: list[tuple[int, int]] = []  # (rows, context before)
         start = nd
@@ -344,6 +364,9 @@ class ModelRunner:
             seq_lens.append(np.array([ctx + n]))
             rows.append(state.row)
             chunks.append((n, ctx))
+            if state.params.prompt_logprobs is not None:
+                prompt_rows += [(start + q - ctx, state.token_ids[q + 1], state, q)
+                                for q in range(ctx, min(ctx + n, state.num_prompt_tokens - 1))]
             if ctx + n == len(state.token_ids):
                 logits_indices.append(start + n - 1)
                 samplers.append(state)
@@ -360,7 +383,7 @@ class ModelRunner:
             meta = self._attention_metadata(self.to_device(_cat(slots)), table[rows, :width], _cat(seq_lens), nd,
                                             max_decode_len, chunks)
         return (self.to_device(_cat(ids)), self.to_device(positions), meta,
-                self.to_device(np.array(logits_indices, dtype=np.int64)), samplers)
+                self.to_device(np.array(logits_indices, dtype=np.int64)), samplers, prompt_rows)
 
     # -- attention metadata, per backend -------------------------------------------
 

@@ -53,7 +53,8 @@ class Sampler:
             logits = self.apply_penalties(logits, rows)
         tokens = self._choose(logits, rows)
         token_list = tokens.tolist()
-        logprobs = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, tokens, rows)
+        logprobs = None if raw_logprobs is None else gather_logprobs(raw_logprobs, tokens,
+                                                                     [r.params.logprobs for r in rows])
         return token_list, logprobs
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -150,21 +151,17 @@ class Sampler:
         return logits - freq * out_counts - pres * (out_counts > 0).float()
 
 
-def _gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor,
-                     rows: list[SamplingRow]) -> list[Optional[TokenLogprobs]]:
-    sampled = raw.gather(1, tokens.unsqueeze(1))
-    ranks = (raw > sampled).sum(dim=-1) + 1
-    max_n = max(r.params.logprobs or 0 for r in rows)
+def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor,
+                    counts: list[Optional[int]]) -> list[Optional[TokenLogprobs]]:
+    """Per row of raw logprobs: its token's logprob and rank, with the top counts[i] (None:
+    nothing for that row)."""
+    chosen = raw.gather(1, tokens.unsqueeze(1))
+    ranks = (raw > chosen).sum(dim=-1) + 1
+    max_n = max(n or 0 for n in counts)
     top_vals, top_ids = (raw.topk(max_n, dim=-1) if max_n else (None, None))
-    sampled_l, ranks_l = sampled.squeeze(1).tolist(), ranks.tolist()
+    chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
     top_vals_l = top_vals.tolist() if max_n else None
     top_ids_l = top_ids.tolist() if max_n else None
-    result: list[Optional[TokenLogprobs]] = []
-    for i, r in enumerate(rows):
-        n = r.params.logprobs
-        if n is None:
-            result.append(None)
-        else:
-            result.append(TokenLogprobs(sampled_l[i], ranks_l[i],
-                                        top_ids_l[i][:n] if n else [], top_vals_l[i][:n] if n else []))
-    return result
+    return [None if n is None else TokenLogprobs(chosen_l[i], ranks_l[i], top_ids_l[i][:n] if n else [],
+                                                 top_vals_l[i][:n] if n else [])
+            for i, n in enumerate(counts)]

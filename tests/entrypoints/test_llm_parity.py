@@ -33,3 +33,46 @@ def test_greedy_parity_with_preemption(model_dirs, arch):
     scheduler = llm.engine_core.scheduler
     assert scheduler.num_preemptions > 0
     assert scheduler.kv_cache_manager.num_free_blocks == 10
+
+
+def prompt_logprobs_from_transformers(model_dir: str, prompt: list[int], top: int):
+    """transformers' float32 logprob of each prompt token after the first, and its top `top`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        raw = model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+    chosen = raw.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    return chosen.tolist(), raw.topk(top, dim=-1).indices.tolist()
+
+
+@pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 24},  # whole, or in chunks of a step
+                                      {"max_model_len": 128, "num_gpu_blocks_override": 8}],  # preempted
+                         ids=["whole", "chunked", "preempted"])
+def test_prompt_logprobs_are_transformers(model_dirs, settings):
+    """prompt_logprobs (vLLM's): None, then each prompt token's logprob given those before it,
+    with the top N, as transformers scores them; the same for a prompt read in chunks, one
+    whose blocks are in the prefix cache (its positions are computed again), n=2 (one sample
+    scores it), and a request preempted midway."""
+    from streamserve import SamplingParams
+
+    llm = LLM(model_dirs["llama"], dtype="float32", kv_cache_memory="32MiB", **settings)
+    prompt = [3 + (i * 37) % 300 for i in range(60)]
+    want, want_top = prompt_logprobs_from_transformers(model_dirs["llama"], prompt, 3)
+    others = [{"prompt_token_ids": [5 + (i * 11 + j) % 200 for j in range(40)]} for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=3, n=2, ignore_eos=True)
+    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    for _ in range(2):  # the second time its blocks are cached
+        outputs = llm.generate([{"prompt_token_ids": prompt}] + others, [params] + [plain] * 4, use_tqdm=False)
+        got = outputs[0].prompt_logprobs
+        assert got[0] is None and len(got) == len(prompt)
+        for entry, token, logprob, top in zip(got[1:], prompt[1:], want, want_top):
+            first = next(iter(entry))
+            assert first == token and abs(entry[token].logprob - logprob) < 1e-4
+            assert set(top) <= set(entry)
+        assert all(o.prompt_logprobs is None for o in outputs[1:])
+    kv = llm.engine_core.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    if "num_gpu_blocks_override" in settings:
+        assert llm.engine_core.scheduler.num_preemptions > 0

@@ -280,6 +280,34 @@ def test_chat_goes_on_with_the_final_message(server, client, offline):
         assert status == 400 and error["error"]["param"] == param, (body, error)
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, offline):
+    """echo + logprobs (how evaluation harnesses score a text): the prompt's tokens come first,
+    the first with null logprobs, the rest with the engine's prompt logprobs; streamed, the
+    same, the echoed prompt in the first chunk of each choice."""
+    prompt = "The quick brown fox jumps over"
+    ids = offline.get_tokenizer().encode(prompt)
+    expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2),
+                                use_tqdm=False)[0]
+    result = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                       logprobs=2)
+    lp = result.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [entry[token].logprob for entry, token in zip(expected.prompt_logprobs[1:], ids[1:])]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:len(ids)], want)) < 1e-5
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
+    assert "".join(lp.tokens) == result.choices[0].text and result.choices[0].text.startswith(prompt)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    streamed = {"text": "", "tokens": [], "token_logprobs": []}
+    for chunk in client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                           logprobs=2, stream=True):
+        for c in chunk.choices:
+            streamed["text"] += c.text
+            if c.logprobs:
+                streamed["tokens"] += c.logprobs.tokens
+                streamed["token_logprobs"] += c.logprobs.token_logprobs
+    assert streamed == {"text": result.choices[0].text, "tokens": lp.tokens, "token_logprobs": lp.token_logprobs}
+
+
 def test_completion_logprobs_match_the_engine(client, offline):
     result = client.completions.create(model="tiny", prompt="hello world", max_tokens=6, temperature=0,
                                        logprobs=2)
