@@ -308,8 +308,13 @@ class _Call:
         self.params = protocol.sampling_params(body, serving.server.max_n,
                                                default_max_tokens=None if chat else 16,
                                                logprobs=protocol.logprobs_setting(body, chat))
+        # vLLM's prompt_logprobs field: the prompt's logprobs in the response, in vLLM's shape
+        self.prompt_logprobs_field = self.params.prompt_logprobs is not None
+        if self.prompt_logprobs_field and self.stream:
+            raise bad_request("'prompt_logprobs' is not available when streaming", "prompt_logprobs")
         if self.echo and self.params.logprobs is not None:  # the echoed prompt's logprobs too
-            self.params = dataclasses.replace(self.params, prompt_logprobs=self.params.logprobs)
+            self.params = dataclasses.replace(
+                self.params, prompt_logprobs=max(self.params.prompt_logprobs or 0, self.params.logprobs))
         self.num_choices = len(self.prompts) * self.params.n
         if self.num_choices > serving.server.max_choices:
             raise bad_request(f"{len(self.prompts)} prompts x n={self.params.n} is {self.num_choices} choices: "
@@ -410,11 +415,12 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
     texts, finish, tokens = [""] * n, [None] * n, [0] * n
     logprobs: list[Optional[list]] = [None if call.params.logprobs is None else [] for _ in range(n)]
     echoed: dict[int, list] = {}  # prompt index -> its logprob entries (echo with logprobs)
+    scored: dict[int, list] = {}  # prompt index -> its prompt logprobs (the prompt_logprobs field)
     async with contextlib.aclosing(call.outputs()) as outputs:
         async for delta in outputs:
-            if delta.prompt_logprobs is not None and call.echo:
+            if delta.prompt_logprobs is not None:
                 p, entries = call.echoed_logprobs(delta)
-                echoed[p] = entries
+                echoed[p], scored[p] = entries, _vllm_prompt_logprobs(delta.prompt_logprobs)
             for s in delta.outputs:
                 texts[s.index] += s.text
                 tokens[s.index] += len(s.token_ids)
@@ -428,12 +434,27 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
         kind = "chat.completion"
     else:
         choices = [{"index": i, "text": (call.prompt_text(i) if call.echo else "") + texts[i],
-                    "logprobs": call.logprobs(None if logprobs[i] is None
-                                              else echoed.get(i // call.params.n, []) + logprobs[i], 0),
+                    "logprobs": call.logprobs(None if logprobs[i] is None else
+                                              (echoed.get(i // call.params.n, []) if call.echo else [])
+                                              + logprobs[i], 0),
                     "finish_reason": finish[i]} for i in range(n)]
         kind = "text_completion"
-    return json_response({"id": call.id, "object": kind, "created": call.created,
-                          "model": call.model, "choices": choices, "usage": call.usage(sum(tokens))})
+        if call.prompt_logprobs_field:
+            for c in choices:
+                c["prompt_logprobs"] = scored.get(c["index"] // call.params.n)
+    body = {"id": call.id, "object": kind, "created": call.created, "model": call.model, "choices": choices,
+            "usage": call.usage(sum(tokens))}
+    if call.chat and call.prompt_logprobs_field:
+        body["prompt_logprobs"] = scored.get(0)
+    return json_response(body)
+
+
+def _vllm_prompt_logprobs(entries: list) -> list[Optional[dict[str, dict[str, Any]]]]:
+    """vLLM's prompt_logprobs: None for the first token, then {token_id: {logprob, rank,
+    decoded_token}} per token (the token itself, then the top N)."""
+    return [None if entry is None else
+            {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in entry.items()} for entry in entries]
 
 
 async def merged(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:

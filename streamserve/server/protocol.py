@@ -37,6 +37,7 @@ _FIELDS = {
     "stop_token_ids": ("stop_token_ids", (list,)), "ignore_eos": ("ignore_eos", (bool,)),
     "min_tokens": ("min_tokens", (int,)), "skip_special_tokens": ("skip_special_tokens", (bool,)),
     "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
+    "prompt_logprobs": ("prompt_logprobs", (int,)),
 }
 
 

@@ -308,6 +308,30 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
     assert streamed == {"text": result.choices[0].text, "tokens": lp.tokens, "token_logprobs": lp.token_logprobs}
 
 
+def test_the_prompt_logprobs_field_is_vllms(server, offline):
+    """vLLM's prompt_logprobs field: in each completions choice (the choice's prompt), at the
+    top of a chat response; None first, then {token_id: {logprob, rank, decoded_token}} with
+    the token itself and the top N; refused when streaming."""
+    prompt = "The quick brown fox"
+    expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
+                                use_tqdm=False)[0].prompt_logprobs
+    status, body = post(server + "/v1/completions", {"prompt": [prompt, "hi"], "max_tokens": 2, "temperature": 0,
+                                                      "prompt_logprobs": 1, "n": 2})
+    assert status == 200
+    got = body["choices"][1]["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(expected)
+    for mine, theirs in zip(got[1:], expected[1:]):
+        token = next(iter(theirs))
+        assert next(iter(mine)) == str(token) and abs(mine[str(token)]["logprob"] - theirs[token].logprob) < 1e-5
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} for v in mine.values()) and len(mine) <= 2
+    assert len(body["choices"][2]["prompt_logprobs"]) == len(offline.get_tokenizer().encode("hi"))
+    status, chat = post(server + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}],
+                                                           "max_tokens": 1, "prompt_logprobs": 0})
+    assert status == 200 and chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 3
+    status, error = post(server + "/v1/completions", {"prompt": prompt, "prompt_logprobs": 1, "stream": True})
+    assert status == 400 and error["error"]["param"] == "prompt_logprobs"
+
+
 def test_completion_logprobs_match_the_engine(client, offline):
     result = client.completions.create(model="tiny", prompt="hello world", max_tokens=6, temperature=0,
                                        logprobs=2)
