@@ -319,6 +319,11 @@ class _Call:
         if self.num_choices > serving.server.max_choices:
             raise bad_request(f"{len(self.prompts)} prompts x n={self.params.n} is {self.num_choices} choices: "
                               f"at most {serving.server.max_choices} (--max-choices)", "prompt")
+        self._check_prompts(max_model_len)
+
+    def _check_prompts(self, max_model_len: int) -> None:
+        """Refuse a prompt the engine cannot run (naming it in a batch); give echoed token-ID
+        prompts their text."""
         for p, (text, ids) in enumerate(self.prompts):
             which = f"prompt {p} of the batch: " if len(self.prompts) > 1 else ""
             if self.params.max_tokens is not None and self.params.max_tokens > max_model_len - len(ids):
@@ -329,7 +334,7 @@ class _Call:
                 self.engine.input_processor.validate(ids, self.params)
             except ParamError as exc:  # a chat's prompt is its messages
                 raise bad_request(which + str(exc),
-                                  "messages" if chat and exc.param == "prompt" else exc.param) from None
+                                  "messages" if self.chat and exc.param == "prompt" else exc.param) from None
             if self.echo and text is None:  # token IDs, valid by now
                 self.prompts[p] = (self.engine.tokenizer.decode(ids), ids)
 
@@ -384,7 +389,7 @@ class _Call:
                 "top_logprobs": [None if lp is None else _top_by_text(e) for e, lp in zip(entries, logprobs)],
                 "text_offset": offsets}
 
-    def echoed_logprobs(self, delta: RequestOutput) -> tuple[int, list[dict[int, Logprob]]]:
+    def prompt_entries(self, delta: RequestOutput) -> tuple[int, list[dict[int, Logprob]]]:
         """(prompt index, its tokens' logprob entries) of a delta that carries its prompt's
         logprobs: the first token's has no logprob (null), as OpenAI's echo gives it."""
         p = delta.outputs[0].index // self.params.n
@@ -419,7 +424,7 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
     async with contextlib.aclosing(call.outputs()) as outputs:
         async for delta in outputs:
             if delta.prompt_logprobs is not None:
-                p, entries = call.echoed_logprobs(delta)
+                p, entries = call.prompt_entries(delta)
                 echoed[p], scored[p] = entries, _vllm_prompt_logprobs(delta.prompt_logprobs)
             for s in delta.outputs:
                 texts[s.index] += s.text
@@ -535,7 +540,7 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
             yield chunk
     async for delta in outputs:
         if delta.prompt_logprobs is not None and call.echo:  # the prompt, with its logprobs, first
-            p, entries = call.echoed_logprobs(delta)
+            p, entries = call.prompt_entries(delta)
             k = call.params.n
             echoes = [{"index": i, "text": call.prompt_text(i), "logprobs": call.logprobs(entries, 0),
                        "finish_reason": None} for i in range(p * k, p * k + k)]
