@@ -87,11 +87,10 @@ def build_model(path: str, arch: str, seed: int = 0, max_shard_size: Optional[st
     torch.manual_seed(seed)
     config = _config(arch, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if arch == "qwen2":  # make the q/k/v biases matter
-        with torch.no_grad():
-            for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.1)
+    with torch.no_grad():  # make the biases (Qwen2's q/k/v, attention_bias, mlp_bias) matter: not zeros
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0, 0.1)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     build_tokenizer(path)

@@ -15,7 +15,7 @@ import json
 import os
 import shutil
 import uuid
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -64,7 +64,10 @@ def read_metadata(reader) -> dict[str, Any]:
     return meta
 
 
-def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype) -> dict[str, Any]:
+def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype, vocab_size: Optional[int] = None
+              ) -> dict[str, Any]:
+    """The config.json of a GGUF's metadata; `vocab_size` (the embedding's rows) where the
+    metadata has none, as llama.cpp writes Qwen2's."""
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
         raise ValueError(f"GGUF architecture {arch!r} is not supported; streamserve reads "
@@ -82,7 +85,7 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype) -> dict[str,
         "max_position_embeddings": get("context_length", 2048),
         "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": get("rope.freq_base", 10000.0),
-        "vocab_size": get("vocab_size"),
+        "vocab_size": get("vocab_size") or vocab_size,
         "tie_word_embeddings": tied,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -160,7 +163,9 @@ def _write_conversion(gguf_path: str, tmp_dir: str, dtype: torch.dtype) -> None:
     if "rope_freqs.weight" in names:
         raise ValueError("this GGUF carries rope_freqs (Llama-3.1-style rope scaling), which "
                          "streamserve does not read from GGUF yet; use the Hugging Face checkpoint")
-    config = hf_config(meta, tied="output.weight" not in names, dtype=dtype)
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    config = hf_config(meta, tied="output.weight" not in names, dtype=dtype,
+                       vocab_size=None if embedding is None else int(embedding.shape[-1]))
     permuted = ARCHS[meta["general.architecture"]][2]
     os.makedirs(tmp_dir)
     tensors: dict[str, torch.Tensor] = {}

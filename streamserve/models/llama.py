@@ -11,6 +11,8 @@ Weights are fused where the checkpoint keeps them apart: q/k/v into one
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -19,6 +21,8 @@ from torch import nn
 
 from streamserve.models.layers import AttentionFn, ForwardContext, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
 from streamserve.models.quantized import QuantizedWeight
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class LlamaArch:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    o_bias: bool = False  # Llama's and Qwen3's attention_bias (Qwen2's covers q, k and v only)
+    mlp_bias: bool = False
 
     @classmethod
     def from_hf_config(cls, cfg: dict, qkv_bias: bool, qk_norm: bool) -> "LlamaArch":
@@ -62,6 +68,8 @@ class LlamaArch:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias or bool(cfg.get("attention_bias", False)),
             qk_norm=qk_norm,
+            o_bias=bool(cfg.get("attention_bias", False)) and not qkv_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
         )
 
 
@@ -73,7 +81,7 @@ class LlamaAttention(nn.Module):
         self.q_size = arch.num_heads * arch.head_dim
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = Linear(self.q_size, arch.hidden_size)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
@@ -94,8 +102,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
         self.act = silu_and_mul  # or streamserve_kernels.activation.silu_and_mul (use_kernels)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -220,12 +228,14 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (HF names) into the fused parameters; fail on gaps."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        stored_head = None
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
-                continue  # tied: the embedding serves as the head
+                stored_head = tensor  # tied: the embedding serves as the head, unless this differs
+                continue
             target, offset_rows = name, None
             for piece, (fused, shard) in self.STACKED.items():
                 if f".{piece}." in name:
@@ -246,6 +256,14 @@ class LlamaForCausalLM(nn.Module):
                                  f"the model expects {tuple(dest.shape)}")
             dest.copy_(tensor)
             loaded.add(f"{target}#{offset_rows}")
+        embedding = self.embed_tokens.weight
+        if stored_head is not None and not torch.equal(stored_head.to(embedding.dtype), embedding.data):
+            logger.warning("the checkpoint ties its head to the embedding but stores a different "
+                           "lm_head.weight: reading that, untied (as transformers 5 does)")
+            self.arch = dataclasses.replace(self.arch, tie_word_embeddings=False)
+            self.lm_head.weight = nn.Parameter(stored_head.to(embedding.dtype).to(embedding.device).clone(),
+                                               requires_grad=False)
+            loaded.add("lm_head.weight#None")
         self._check_complete(loaded)
 
     def _check_complete(self, loaded: set[str]) -> None:

@@ -19,6 +19,9 @@ def supported_architectures() -> list[str]:
 
 def build_model(hf_config: dict) -> LlamaForCausalLM:
     """An unloaded model for this config, or a clear error for an unknown architecture."""
+    act = hf_config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):  # the kernels (C, Triton) all compute SiLU-and-mul
+        raise ValueError(f"hidden_act {act!r} is not supported: streamserve runs SiLU-gated MLPs")
     archs = hf_config.get("architectures") or []
     for name in archs:
         if name in _ARCHITECTURES:

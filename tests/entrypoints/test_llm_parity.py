@@ -76,3 +76,40 @@ def test_prompt_logprobs_are_transformers(model_dirs, settings):
     assert kv.num_free_blocks == kv.num_blocks
     if "num_gpu_blocks_override" in settings:
         assert llm.engine_core.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("arch, setting", [("llama", "attention_bias"), ("llama", "mlp_bias"),
+                                           ("qwen3", "attention_bias")])
+def test_biases_as_transformers_places_them(tmp_path, arch, setting):
+    """attention_bias puts a bias on o_proj too (Llama, Qwen3; Qwen2's covers q, k, v only);
+    Llama's mlp_bias on gate, up and down: the checkpoint's biases, random, all read."""
+    from tiny_models import build_model
+
+    path = build_model(str(tmp_path / arch), arch, **{setting: True})
+    check_parity(LLM(path, dtype="float32", kv_cache_memory="32MiB"), path, num_prompts=3, new_tokens=8)
+
+
+def test_an_activation_other_than_silu_is_refused(tmp_path):
+    from tiny_models import build_model
+
+    path = build_model(str(tmp_path / "gelu"), "llama", hidden_act="gelu")
+    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+        LLM(path, dtype="float32", kv_cache_memory="32MiB")
+
+
+def test_a_tied_checkpoint_with_its_own_head_reads_that_head(tmp_path):
+    """tie_word_embeddings, but the checkpoint stores an lm_head.weight of its own: read
+    untied, as transformers 5 does (the embedding used to serve as the head regardless)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tiny_models import build_model
+
+    path = build_model(str(tmp_path / "tied"), "llama")  # the tiny Llama is tied
+    weights = load_file(f"{path}/model.safetensors")
+    weights["lm_head.weight"] = torch.randn_like(weights["model.embed_tokens.weight"])
+    save_file(weights, f"{path}/model.safetensors", metadata={"format": "pt"})
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB")
+    model = llm.engine_core.model_runner.model
+    assert model.lm_head.weight is not model.embed_tokens.weight
+    check_parity(llm, path, num_prompts=3, new_tokens=8)

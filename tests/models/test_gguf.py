@@ -35,13 +35,15 @@ def every_matrix(qtype) -> dict:
     return {piece: (cpp, Q.F32 if "norm" in piece else qtype) for piece, (cpp, _) in _NAMES.items()}
 
 
-def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32) -> None:
+def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, arch: str = "llama") -> None:
+    """As llama.cpp's convert_hf_to_gguf.py writes `arch` ("llama" or "qwen2": the latter with
+    its biases, no q/k permutation and no vocab_size key)."""
     from safetensors.numpy import load_file
     from transformers import AutoTokenizer
 
     cfg = json.load(open(os.path.join(hf_dir, "config.json")))
     tensors = load_file(os.path.join(hf_dir, "model.safetensors"))
-    writer = gguf.GGUFWriter(path, "llama")
+    writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(cfg["num_hidden_layers"])
     writer.add_context_length(cfg["max_position_embeddings"])
     writer.add_embedding_length(cfg["hidden_size"])
@@ -51,13 +53,15 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32) ->
     writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
     writer.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_vocab_size(cfg["vocab_size"])
+    if arch == "llama":
+        writer.add_vocab_size(cfg["vocab_size"])
     tok = AutoTokenizer.from_pretrained(hf_dir)
     vocab = json.loads(tok.backend_tokenizer.to_str())["model"]
     tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), cfg["vocab_size"])]  # the embedding's rows
     specials = set(tok.all_special_tokens)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre("default" if arch == "llama" else arch)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in specials else 1 for t in tokens])
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["merges"]])
@@ -71,11 +75,13 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32) ->
     for i in range(cfg["num_hidden_layers"]):
         for hf_piece, (cpp_piece, qtype) in types.items():
             w = tensors[f"model.layers.{i}.{hf_piece}.weight"].astype(np.float32)
-            if cpp_piece == "attn_q":
+            if cpp_piece == "attn_q" and arch == "llama":
                 w = permute(w, heads)
-            elif cpp_piece == "attn_k":
+            elif cpp_piece == "attn_k" and arch == "llama":
                 w = permute(w, kv_heads)
             add(writer, f"blk.{i}.{cpp_piece}.weight", w, qtype)
+            if f"model.layers.{i}.{hf_piece}.bias" in tensors:
+                writer.add_tensor(f"blk.{i}.{cpp_piece}.bias", tensors[f"model.layers.{i}.{hf_piece}.bias"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -289,3 +295,15 @@ def test_a_conversion_removes_what_killed_ones_left(gguf_path, tmp_path):
         d.mkdir()
     convert_gguf(gguf_path, str(out), torch.float32)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model", running.name]
+
+
+def test_a_qwen2_gguf_as_llama_cpp_writes_it_matches_transformers(tmp_path):
+    """llama.cpp writes no qwen2.vocab_size: the embedding's rows give it (the conversion
+    wrote "vocab_size": null, and loading failed); biases, no q/k un-permutation."""
+    from parity import check_parity
+    from tiny_models import build_model
+
+    hf_dir = build_model(str(tmp_path / "qwen2"), "qwen2", seed=3, tie_word_embeddings=True)
+    path = str(tmp_path / "qwen2.gguf")
+    write_gguf(hf_dir, path, every_matrix(Q.F32), arch="qwen2")
+    check_parity(LLM(path, dtype="float32", kv_cache_memory="16MiB"), hf_dir, num_prompts=3, new_tokens=8)
