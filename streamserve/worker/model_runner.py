@@ -46,6 +46,9 @@ QUANT_MAX_TOKENS = 2  # where the layers keep half-size copies
 QUANT_MAX_TOKENS_FLOAT32 = 8  # where they read float32 weights (a float32 conversion)
 # The most KV splits a decode sequence gets in the Triton split-KV kernel (its workspace size).
 MAX_DECODE_SPLITS = 16
+# Prompt logprobs take the head over this many prompt rows at a time: a 2048-token chunk at
+# once would be [2048, vocab] float32 logits and their log-softmax (0.8 GB at SmolLM2's 49152).
+PROMPT_LOGPROBS_ROWS = 256
 
 
 def native_half_gemms(dtype: torch.dtype) -> bool:
@@ -278,9 +281,12 @@ class ModelRunner:
         predict), from the head over just those rows."""
         rows, targets = self.to_device(np.array([r[0] for r in prompt_rows], dtype=np.int64)), \
             self.to_device(np.array([r[1] for r in prompt_rows], dtype=np.int64))
-        logits = self.model.compute_logits(hidden[rows], self._reads_copies(len(prompt_rows))).float()
-        entries = gather_logprobs(torch.log_softmax(logits, dim=-1), targets,
-                                  [state.params.prompt_logprobs for _, _, state, _ in prompt_rows])
+        counts = [state.params.prompt_logprobs for _, _, state, _ in prompt_rows]
+        entries = []
+        for start in range(0, len(prompt_rows), PROMPT_LOGPROBS_ROWS):  # [rows, vocab] float32 a slice at a time
+            part = slice(start, start + PROMPT_LOGPROBS_ROWS)
+            logits = self.model.compute_logits(hidden[rows[part]], self._reads_copies(len(counts[part]))).float()
+            entries += gather_logprobs(torch.log_softmax(logits, dim=-1), targets[part], counts[part])
         result: dict[str, tuple[int, list]] = {}
         for (_, _, state, position), entry in zip(prompt_rows, entries):
             result.setdefault(state.req_id, (position, []))[1].append(entry)

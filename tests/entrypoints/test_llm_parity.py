@@ -50,13 +50,16 @@ def prompt_logprobs_from_transformers(model_dir: str, prompt: list[int], top: in
 @pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 24},  # whole, or in chunks of a step
                                       {"max_model_len": 128, "num_gpu_blocks_override": 8}],  # preempted
                          ids=["whole", "chunked", "preempted"])
-def test_prompt_logprobs_are_transformers(model_dirs, settings):
+def test_prompt_logprobs_are_transformers(model_dirs, settings, monkeypatch):
     """prompt_logprobs (vLLM's): None, then each prompt token's logprob given those before it,
     with the top N, as transformers scores them; the same for a prompt read in chunks, one
     whose blocks are in the prefix cache (its positions are computed again), n=2 (one sample
     scores it), and a request preempted midway."""
     from streamserve import SamplingParams
 
+    from streamserve.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "PROMPT_LOGPROBS_ROWS", 16)  # the head over a few slices
     llm = LLM(model_dirs["llama"], dtype="float32", kv_cache_memory="32MiB", **settings)
     prompt = [3 + (i * 37) % 300 for i in range(60)]
     want, want_top = prompt_logprobs_from_transformers(model_dirs["llama"], prompt, 3)
