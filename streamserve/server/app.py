@@ -310,8 +310,8 @@ class _Call:
                                                logprobs=protocol.logprobs_setting(body, chat))
         # vLLM's prompt_logprobs field: the prompt's logprobs in the response, in vLLM's shape
         self.prompt_logprobs_field = self.params.prompt_logprobs is not None
-        if self.prompt_logprobs_field and self.stream:
-            raise bad_request("'prompt_logprobs' is not available when streaming", "prompt_logprobs")
+        if self.prompt_logprobs_field and self.stream and chat:  # (as in vLLM)
+            raise bad_request("'prompt_logprobs' is not available when streaming a chat", "prompt_logprobs")
         if self.echo and self.params.logprobs is not None:  # the echoed prompt's logprobs too
             self.params = dataclasses.replace(
                 self.params, prompt_logprobs=max(self.params.prompt_logprobs or 0, self.params.logprobs))
@@ -539,14 +539,21 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
                              for i in range(n)]):
             yield chunk
     async for delta in outputs:
-        if delta.prompt_logprobs is not None and call.echo:  # the prompt, with its logprobs, first
+        if delta.prompt_logprobs is not None:  # the prompt's logprobs first: echoed, and/or the field
             p, entries = call.prompt_entries(delta)
-            k = call.params.n
-            echoes = [{"index": i, "text": call.prompt_text(i), "logprobs": call.logprobs(entries, 0),
-                       "finish_reason": None} for i in range(p * k, p * k + k)]
-            for echo in echoes:
-                text_offsets[echo["index"]] = sum(map(len, echo["logprobs"]["tokens"]))
-            for chunk in chunks(echoes):
+            scored = _vllm_prompt_logprobs(delta.prompt_logprobs) if call.prompt_logprobs_field else None
+            firsts = []
+            for i in range(p * call.params.n, (p + 1) * call.params.n):
+                first = {"index": i, "text": "", "logprobs": None, "finish_reason": None}
+                if call.echo and call.params.logprobs is not None:
+                    first.update(text=call.prompt_text(i), logprobs=call.logprobs(entries, 0))
+                    text_offsets[i] = sum(map(len, first["logprobs"]["tokens"]))
+                elif scored is None:
+                    continue
+                if scored is not None:
+                    first["prompt_logprobs"] = scored
+                firsts.append(first)
+            for chunk in chunks(firsts):
                 yield chunk
         choices = []
         for s in delta.outputs:

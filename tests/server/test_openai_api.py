@@ -308,10 +308,11 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
     assert streamed == {"text": result.choices[0].text, "tokens": lp.tokens, "token_logprobs": lp.token_logprobs}
 
 
-def test_the_prompt_logprobs_field_is_vllms(server, offline):
-    """vLLM's prompt_logprobs field: in each completions choice (the choice's prompt), at the
-    top of a chat response; None first, then {token_id: {logprob, rank, decoded_token}} with
-    the token itself and the top N; refused when streaming."""
+def test_the_prompt_logprobs_field_is_vllms(server, client, offline):
+    """vLLM's prompt_logprobs field: in each completions choice (the choice's prompt; streamed,
+    in a first chunk of each choice), at the top of a chat response; None first, then
+    {token_id: {logprob, rank, decoded_token}} with the token itself and the top N; refused
+    when streaming a chat, as vLLM does."""
     prompt = "The quick brown fox"
     expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1),
                                 use_tqdm=False)[0].prompt_logprobs
@@ -328,8 +329,18 @@ def test_the_prompt_logprobs_field_is_vllms(server, offline):
     status, chat = post(server + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}],
                                                            "max_tokens": 1, "prompt_logprobs": 0})
     assert status == 200 and chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 3
-    status, error = post(server + "/v1/completions", {"prompt": prompt, "prompt_logprobs": 1, "stream": True})
-    assert status == 400 and error["error"]["param"] == "prompt_logprobs"
+    status, error = post(server + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}],
+                                                            "prompt_logprobs": 1, "stream": True})
+    assert status == 400 and error["error"]["param"] == "prompt_logprobs"  # as in vLLM
+    # streamed: a first chunk per choice carries its prompt's
+    firsts = {}
+    for chunk in client.completions.create(model="tiny", prompt=[prompt, "hi"], max_tokens=2, temperature=0,
+                                           n=2, stream=True, extra_body={"prompt_logprobs": 1}):
+        for c in chunk.choices:
+            if getattr(c, "prompt_logprobs", None) is not None:
+                assert c.index not in firsts and c.text == ""
+                firsts[c.index] = c.prompt_logprobs
+    assert sorted(firsts) == [0, 1, 2, 3] and firsts[1] == firsts[0] == body["choices"][0]["prompt_logprobs"]
 
 
 def test_completion_logprobs_match_the_engine(client, offline):
