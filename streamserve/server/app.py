@@ -305,12 +305,17 @@ class _Call:
                 self.prompts.append((prompt, self.engine.renderer.encode(prompt)) if isinstance(prompt, str)
                                     else (None, prompt))
         self.echo = protocol.echo_setting(body, chat)
+        # echo with max_tokens 0 (scoring a text): the prompt alone comes back; one token is
+        # generated, as vLLM does, and left out of the response
+        self.echo_only = self.echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
+        if self.echo_only:
+            body = {**body, "max_tokens": 1}
         self.params = protocol.sampling_params(body, serving.server.max_n,
                                                default_max_tokens=None if chat else 16,
                                                logprobs=protocol.logprobs_setting(body, chat))
         # vLLM's prompt_logprobs field: the prompt's logprobs in the response, in vLLM's shape
-        self.prompt_logprobs_field = self.params.prompt_logprobs is not None
-        if self.prompt_logprobs_field and self.stream and chat:  # (as in vLLM)
+        self.prompt_logprobs_field = self.params.prompt_logprobs  # (its top N) or None
+        if self.prompt_logprobs_field is not None and self.stream and chat:  # (as in vLLM)
             raise bad_request("'prompt_logprobs' is not available when streaming a chat", "prompt_logprobs")
         if self.echo and self.params.logprobs is not None:  # the echoed prompt's logprobs too
             self.params = dataclasses.replace(
@@ -362,6 +367,10 @@ class _Call:
         async with contextlib.aclosing(generate) as deltas:
             async for delta in deltas:
                 tracker.observe(delta)
+                if self.echo_only:  # the generated token left out
+                    delta.outputs = [dataclasses.replace(s, text="", token_ids=[],
+                                                         logprobs=None if s.logprobs is None else [])
+                                     for s in delta.outputs]
                 yield delta
 
     def chunk(self, choices: list[dict[str, Any]], usage: Optional[dict] = None) -> dict[str, Any]:
@@ -395,7 +404,14 @@ class _Call:
         p = delta.outputs[0].index // self.params.n
         first = delta.prompt_token_ids[0]
         text = self.engine.output_processor.decoder.decode([first], False)
-        return p, [{first: Logprob(None, None, text)}] + delta.prompt_logprobs[1:]
+        return p, [{first: Logprob(None, None, text)}] + [_top(e, self.params.logprobs or 0)
+                                                           for e in delta.prompt_logprobs[1:]]
+
+    def scored(self, delta: RequestOutput) -> Optional[list]:
+        """The prompt_logprobs field for a delta that carries its prompt's logprobs, if asked for."""
+        if self.prompt_logprobs_field is None:
+            return None
+        return [None if e is None else _top(e, self.prompt_logprobs_field) for e in delta.prompt_logprobs]
 
     def usage(self, completion_tokens: int, prompt_index: Optional[int] = None) -> dict[str, int]:
         """Usage of every prompt (or of the one at `prompt_index`) with these completion tokens."""
@@ -425,7 +441,7 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
         async for delta in outputs:
             if delta.prompt_logprobs is not None:
                 p, entries = call.prompt_entries(delta)
-                echoed[p], scored[p] = entries, _vllm_prompt_logprobs(delta.prompt_logprobs)
+                echoed[p], scored[p] = entries, call.scored(delta)
             for s in delta.outputs:
                 texts[s.index] += s.text
                 tokens[s.index] += len(s.token_ids)
@@ -444,19 +460,27 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
                                               + logprobs[i], 0),
                     "finish_reason": finish[i]} for i in range(n)]
         kind = "text_completion"
-        if call.prompt_logprobs_field:
+        if call.prompt_logprobs_field is not None:
             for c in choices:
-                c["prompt_logprobs"] = scored.get(c["index"] // call.params.n)
+                c["prompt_logprobs"] = _vllm_prompt_logprobs(scored.get(c["index"] // call.params.n))
     body = {"id": call.id, "object": kind, "created": call.created, "model": call.model, "choices": choices,
             "usage": call.usage(sum(tokens))}
-    if call.chat and call.prompt_logprobs_field:
-        body["prompt_logprobs"] = scored.get(0)
+    if call.chat and call.prompt_logprobs_field is not None:
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(scored.get(0))
     return json_response(body)
 
 
-def _vllm_prompt_logprobs(entries: list) -> list[Optional[dict[str, dict[str, Any]]]]:
+def _top(entry: dict[int, Logprob], n: int) -> dict[int, Logprob]:
+    """A position's entry cut to its own token (first) and the top n (the engine computed the
+    larger of echo's and the prompt_logprobs field's N)."""
+    return {t: lp for j, (t, lp) in enumerate(entry.items()) if j == 0 or lp.rank <= n}
+
+
+def _vllm_prompt_logprobs(entries: Optional[list]) -> Optional[list[Optional[dict[str, dict[str, Any]]]]]:
     """vLLM's prompt_logprobs: None for the first token, then {token_id: {logprob, rank,
     decoded_token}} per token (the token itself, then the top N)."""
+    if entries is None:
+        return None
     return [None if entry is None else
             {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
              for tid, lp in entry.items()} for entry in entries]
@@ -541,7 +565,7 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
     async for delta in outputs:
         if delta.prompt_logprobs is not None:  # the prompt's logprobs first: echoed, and/or the field
             p, entries = call.prompt_entries(delta)
-            scored = _vllm_prompt_logprobs(delta.prompt_logprobs) if call.prompt_logprobs_field else None
+            scored = _vllm_prompt_logprobs(call.scored(delta))
             firsts = []
             for i in range(p * call.params.n, (p + 1) * call.params.n):
                 first = {"index": i, "text": "", "logprobs": None, "finish_reason": None}

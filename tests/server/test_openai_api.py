@@ -308,6 +308,27 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
     assert streamed == {"text": result.choices[0].text, "tokens": lp.tokens, "token_logprobs": lp.token_logprobs}
 
 
+def test_echo_scores_a_text_alone_and_each_count_is_its_own(server, client):
+    """echo with max_tokens 0 returns the prompt alone, scored (how harnesses score a text; one
+    token is generated and left out, as vLLM does); with logprobs and prompt_logprobs both
+    set, the echoed tops follow logprobs and the field follows prompt_logprobs."""
+    prompt = "The quick brown fox"
+    status, body = post(server + "/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 0,
+                                                      "logprobs": 0, "prompt_logprobs": 3})
+    assert status == 200
+    choice = body["choices"][0]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == prompt and lp["token_logprobs"][0] is None
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])  # its own token only: logprobs 0
+    assert all(1 <= len(entry) <= 4 for entry in choice["prompt_logprobs"][1:])  # the token + top 3
+    assert any(len(entry) >= 3 for entry in choice["prompt_logprobs"][1:])
+    streamed = list(client.completions.create(model="tiny", prompt=prompt, echo=True, max_tokens=0, logprobs=0,
+                                              stream=True))
+    assert "".join(c.text for c in streamed for c in c.choices) == prompt
+    assert [c.finish_reason for c in streamed for c in c.choices if c.finish_reason] == ["length"]
+
+
 def test_the_prompt_logprobs_field_is_vllms(server, client, offline):
     """vLLM's prompt_logprobs field: in each completions choice (the choice's prompt; streamed,
     in a first chunk of each choice), at the top of a chat response; None first, then
