@@ -564,20 +564,7 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
             yield chunk
     async for delta in outputs:
         if delta.prompt_logprobs is not None:  # the prompt's logprobs first: echoed, and/or the field
-            p, entries = call.prompt_entries(delta)
-            scored = _vllm_prompt_logprobs(call.scored(delta))
-            firsts = []
-            for i in range(p * call.params.n, (p + 1) * call.params.n):
-                first = {"index": i, "text": "", "logprobs": None, "finish_reason": None}
-                if call.echo and call.params.logprobs is not None:
-                    first.update(text=call.prompt_text(i), logprobs=call.logprobs(entries, 0))
-                    text_offsets[i] = sum(map(len, first["logprobs"]["tokens"]))
-                elif scored is None:
-                    continue
-                if scored is not None:
-                    first["prompt_logprobs"] = scored
-                firsts.append(first)
-            for chunk in chunks(firsts):
+            for chunk in chunks(_scored_prompt_choices(call, delta, text_offsets)):
                 yield chunk
         choices = []
         for s in delta.outputs:
@@ -597,6 +584,26 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
             yield chunk
     if call.include_usage:
         yield call.chunk([], usage=call.usage(sum(completion_tokens)))
+
+
+def _scored_prompt_choices(call: _Call, delta: RequestOutput, text_offsets: list[int]) -> list[dict[str, Any]]:
+    """A stream's first choices for the prompt whose logprobs `delta` carries: the echoed
+    prompt with its logprobs (echo with logprobs), and/or vLLM's prompt_logprobs field."""
+    p, entries = call.prompt_entries(delta)
+    scored = _vllm_prompt_logprobs(call.scored(delta))
+    echo = call.echo and call.params.logprobs is not None
+    if not echo and scored is None:
+        return []
+    firsts = []
+    for i in range(p * call.params.n, (p + 1) * call.params.n):
+        first = {"index": i, "text": "", "logprobs": None, "finish_reason": None}
+        if echo:
+            first.update(text=call.prompt_text(i), logprobs=call.logprobs(entries, 0))
+            text_offsets[i] = sum(map(len, first["logprobs"]["tokens"]))
+        if scored is not None:
+            first["prompt_logprobs"] = scored
+        firsts.append(first)
+    return firsts
 
 
 def in_band_error(exc: Exception, what: str) -> APIError:
