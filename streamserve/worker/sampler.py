@@ -20,18 +20,15 @@ import torch
 
 from streamserve.engine.scheduler_output import TokenLogprobs
 from streamserve.worker.request_state import RequestState as SamplingRow
+from streamserve.worker.staging import HostStaging
 
 Stage = Callable[[np.ndarray], torch.Tensor]  # a host array -> the same on the device
-
-
-def _plain_stage(device: torch.device) -> Stage:
-    return lambda array: torch.from_numpy(array).to(device)
 
 
 class Sampler:
     def __init__(self, device: torch.device, seed: int, stage: Optional[Stage] = None) -> None:
         self.device = device
-        self.stage = stage or _plain_stage(device)
+        self.stage = stage or HostStaging(device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
