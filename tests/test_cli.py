@@ -29,7 +29,7 @@ def test_flags_become_config_kwargs():
     kwargs = config_kwargs(args)
     assert kwargs["model"] == "m" and kwargs["max_num_seqs"] == 7
     assert kwargs["enable_prefix_caching"] is False and kwargs["kv_cache_memory"] == "1GiB"
-    assert kwargs["block_size"] == 16 and kwargs["max_num_batched_tokens"] == 2048
+    assert kwargs["block_size"] == 16 and kwargs["max_num_batched_tokens"] is None  # the device's default
 
 
 def test_prompt_is_completed_greedily(llama_dir):

@@ -62,8 +62,20 @@ def test_from_kwargs_defaults(model_dir):
     assert cfg.model.max_model_len == 512  # the model's max_position_embeddings
     assert cfg.model.seed == 0 and cfg.model.dtype == "auto"
     assert cfg.cache.block_size == 16 and cfg.cache.enable_prefix_caching
-    assert cfg.scheduler.max_num_seqs == 256 and cfg.scheduler.max_num_batched_tokens == 2048
+    assert cfg.scheduler.max_num_seqs == 256
     assert cfg.device.device in ("cpu", "cuda")
+    assert cfg.scheduler.max_num_batched_tokens == {"cpu": 256, "cuda": 2048}[cfg.device.device]
+
+
+def test_the_step_budget_defaults_by_device(model_dir):
+    """256 tokens on the CPU (a step there of 2048 prompt tokens holds every stream for
+    seconds), 2048 on CUDA; a given budget is kept."""
+    assert Config.from_kwargs(model=model_dir, device="cpu").scheduler.max_num_batched_tokens == 256
+    assert Config.from_kwargs(model=model_dir, device="cpu",
+                              max_num_batched_tokens=4096).scheduler.max_num_batched_tokens == 4096
+    scheduler = SchedulerConfig()
+    scheduler.resolve("cuda:1")
+    assert scheduler.max_num_batched_tokens == 2048
 
 
 def test_every_field_is_a_keyword_of_one_part():
