@@ -18,6 +18,18 @@ class ParamError(ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrained decoding (vLLM's name). json_object: the output is one JSON object (the
+    OpenAI API's response_format {"type": "json_object"}), which ends with EOS once it closes."""
+
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json_object is not True:
+            raise ParamError("structured_outputs asks for nothing: set json_object=True", "structured_outputs")
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -40,6 +52,7 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None  # token ID -> added to its logit (-100 bans it)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     # Derived: the stop strings as a list, the stop token ids as a set.
     stop_list: list[str] = field(init=False, repr=False)
@@ -83,6 +96,11 @@ class SamplingParams:
                 _is_token_id(t) and isinstance(b, (int, float)) and -100 <= b <= 100
                 for t, b in self.logit_bias.items()),
              "logit_bias", "logit_bias must map token IDs (non-negative integers) to biases in [-100, 100]"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "structured_outputs must be a StructuredOutputsParams"),
+            (self.structured_outputs is None or not (self.min_tokens or self.ignore_eos),
+             "min_tokens" if self.min_tokens else "ignore_eos",
+             "JSON mode ends the output with EOS once the object closes: it takes neither min_tokens nor ignore_eos"),
         ]
         for ok, param, message in checks:
             if not ok:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import time
+
 from streamserve.config import Config
 from streamserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request, validate_prompt
 from streamserve.engine.scheduler import Scheduler
+from streamserve.engine.structured_output import JsonVocabulary
+from streamserve.sampling_params import ParamError
 from streamserve.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 
 class StepFailed(RuntimeError):
@@ -18,11 +25,13 @@ class StepFailed(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, tokenizer=None) -> None:
+        """tokenizer: what JSON mode reads the tokens' texts from (without one, it is refused)."""
         self.config = config
         self.model_runner = ModelRunner(config)
-        self.scheduler = Scheduler(config, self.model_runner.num_blocks)
         self.vocab_size = self.model_runner.model.arch.vocab_size
+        self.scheduler = Scheduler(config, self.model_runner.num_blocks,
+                                   None if tokenizer is None else lambda: self._json_vocabulary(tokenizer))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.validate(request)
@@ -31,6 +40,15 @@ class EngineCore:
     def validate(self, request: EngineCoreRequest) -> None:
         validate_prompt(request.prompt_token_ids, request.sampling_params,
                         self.config.model.max_model_len, self.vocab_size)
+        if request.sampling_params.structured_outputs is not None and self.scheduler.make_json_vocabulary is None:
+            raise ParamError("JSON mode needs the tokenizer, and this engine was built without one",
+                             "structured_outputs")
+
+    def _json_vocabulary(self, tokenizer) -> JsonVocabulary:
+        start = time.perf_counter()
+        vocabulary = JsonVocabulary(tokenizer, self.vocab_size)
+        logger.info("JSON mode: read %d token texts in %.2f s", self.vocab_size, time.perf_counter() - start)
+        return vocabulary
 
     def fail(self, request_ids: list[str]) -> list[str]:
         """Abort (and return) the requests of a step that raised. Scheduling registered the step's

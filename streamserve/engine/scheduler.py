@@ -14,16 +14,24 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Callable, Optional
+
+import numpy as np
 
 from streamserve.config import Config
 from streamserve.engine.kv_cache_manager import KVCacheManager
 from streamserve.engine.request import EngineCoreOutput, Request, RequestStatus
+from streamserve.engine.structured_output import JsonVocabulary
 from streamserve.engine.scheduler_output import (CachedRequestData, ModelRunnerOutput,
                                                  NewRequestData, SchedulerOutput)
 
 
 class Scheduler:
-    def __init__(self, config: Config, num_blocks: int) -> None:
+    def __init__(self, config: Config, num_blocks: int,
+                 json_vocabulary: Optional[Callable[[], JsonVocabulary]] = None) -> None:
+        # JSON mode's token texts and masks, built when a first request asks for it
+        self.make_json_vocabulary = json_vocabulary
+        self._json_vocabulary: Optional[JsonVocabulary] = None
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = config.model.max_model_len
@@ -40,6 +48,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.json_state is not None:
+            self.json_vocabulary()
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -129,9 +139,30 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=[r.request_id for r in preempted],
+            allowed_token_masks=self._allowed_token_masks(num_scheduled),
         )
         self.finished_req_ids = set()
         return output
+
+    def json_vocabulary(self) -> JsonVocabulary:
+        """JSON mode's token texts and masks, built for the first request that asks."""
+        if self._json_vocabulary is None:
+            if self.make_json_vocabulary is None:
+                raise ValueError("JSON mode needs the tokenizer: this scheduler was built without one")
+            self._json_vocabulary = self.make_json_vocabulary()
+        return self._json_vocabulary
+
+    def _allowed_token_masks(self, num_scheduled: dict[str, int]) -> dict[str, np.ndarray]:
+        """The JSON-mode requests that sample this step (their gap closes): what each may sample."""
+        masks = {}
+        if self._json_vocabulary is None:  # no JSON request yet: no per-step loop
+            return masks
+        for req_id in num_scheduled:
+            request = self.requests[req_id]
+            if request.json_state is not None and request.num_computed_tokens == request.num_tokens:
+                masks[req_id] = self.json_vocabulary().allowed(
+                    request.json_state, {request.eos_token_id, *request.sampling_params.stop_token_set})
+        return masks
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -154,6 +185,8 @@ class Scheduler:
             if request is None:  # aborted while the step ran
                 continue
             request.append_output_token(token)
+            if request.json_state is not None:
+                request.json_state = self.json_vocabulary().after(request.json_state, token)
             finished = request.check_stop()
             queue_time = None
             if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:

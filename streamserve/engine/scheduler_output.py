@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
 
+import numpy as np
+
 from streamserve.sampling_params import SamplingParams
 
 
@@ -53,6 +55,8 @@ class SchedulerOutput:
     # Requests the runner must forget before this step (finished, aborted, preempted).
     finished_req_ids: set[str]
     preempted_req_ids: list[str]
+    # JSON mode: req_id -> [vocab] bool mask of the tokens it may sample this step (read-only)
+    allowed_token_masks: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass

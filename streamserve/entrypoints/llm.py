@@ -28,7 +28,7 @@ class LLM:
         self.config = Config.from_kwargs(model=model, **kwargs)
         self.tokenizer = load_tokenizer(self.config.model.tokenizer)
         self.renderer = Renderer(self.tokenizer)
-        self.engine_core = EngineCore(self.config)
+        self.engine_core = EngineCore(self.config, self.tokenizer)
         self.input_processor = InputProcessor(self.config, self.renderer, self.engine_core.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()

@@ -149,7 +149,7 @@ class AsyncEngine:
             self.tokenizer = load_tokenizer(config.model.tokenizer)
             self.renderer = Renderer(self.tokenizer)
             self.output_processor = OutputProcessor(self.tokenizer)
-            core = EngineCore(config)
+            core = EngineCore(config, self.tokenizer)
         except BaseException as exc:  # a load failure must reach /health, not kill silently
             if not isinstance(exc, (ValueError, TypeError)):  # those already say what is wrong
                 logger.exception("engine failed to load")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
-from streamserve.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
+from streamserve.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -75,12 +75,27 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise bad_request("'stop' must be a non-empty string or a list of them", "stop")
         kwargs["stop"] = stop
+    if response_format(body) == "json_object":
+        kwargs["structured_outputs"] = StructuredOutputsParams(json_object=True)
     if kwargs.get("n", 1) > max_n:
         raise bad_request(f"'n' must be at most {max_n}", "n")
     try:
         return SamplingParams(**kwargs)
     except ParamError as exc:
         raise bad_request(str(exc), exc.param) from None
+
+
+def response_format(body: dict[str, Any]) -> str:
+    """'text' or 'json_object' (JSON mode: the output is one JSON object)."""
+    value = body.get("response_format")
+    if value is None:
+        return "text"
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("text", "json_object"):
+        raise bad_request(f"'response_format' {kind!r} is not supported: give {{\"type\": \"json_object\"}} "
+                          "(JSON mode) or {\"type\": \"text\"}; this server has no JSON-schema decoding",
+                          "response_format")
+    return kind
 
 
 def logprobs_setting(body: dict[str, Any], chat: bool) -> Optional[int]:
@@ -111,12 +126,6 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise bad_request("'best_of' is not supported: every sample is returned (use 'n')", "best_of")
-    response_format = body.get("response_format")
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind != "text":
-            raise bad_request(f"'response_format' {kind!r} is not supported: this server has no "
-                              "guided decoding (only {\"type\": \"text\"})", "response_format")
     for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
         if body.get(tools) and body.get(choice, "auto") != "none":
             raise bad_request(f"this server does not call tools: '{tools}' needs '{choice}': 'none'", choice)

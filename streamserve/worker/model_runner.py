@@ -271,7 +271,9 @@ class ModelRunner:
                 return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
             # the head by the rows sampled: a long prefill chunk still samples one row
             logits = self.model.compute_logits(hidden[logits_indices], self._reads_copies(len(logits_indices)))
-            tokens, logprobs = self.sampler(logits, samplers)
+            masks = so.allowed_token_masks
+            tokens, logprobs = self.sampler(logits, samplers, [masks.get(s.req_id) for s in samplers]
+                                            if masks else None)
         for state, token in zip(samplers, tokens):
             state.token_ids.append(token)
         return ModelRunnerOutput([s.req_id for s in samplers], tokens, logprobs, prompt_logprobs)

@@ -22,6 +22,7 @@ from streamserve.engine.scheduler_output import TokenLogprobs
 from streamserve.worker.request_state import RequestState as SamplingRow
 from streamserve.worker.staging import HostStaging
 
+LOGPROB_FLOOR = -9999.0
 Stage = Callable[[np.ndarray], torch.Tensor]  # a host array -> the same on the device
 
 
@@ -36,9 +37,14 @@ class Sampler:
         """One value per row as a [B, 1] device tensor."""
         return self.stage(np.array(values, dtype=dtype)).unsqueeze(1)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 allowed: Optional[list[Optional[np.ndarray]]] = None
                  ) -> tuple[list[int], Optional[list[Optional[TokenLogprobs]]]]:
+        """allowed: per row, None or a [vocab] bool mask of the only tokens it may sample (JSON
+        mode); applied first, so its logprobs are those of the constrained distribution."""
         logits = logits.float()
+        if allowed is not None and any(mask is not None for mask in allowed):
+            logits = self._keep_allowed(logits, allowed)
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -106,6 +112,12 @@ class Sampler:
         ids = np.fromiter((t for ids in per_row for t in ids), dtype=np.int64, count=sum(lengths))
         return self.stage(rows), self.stage(ids)
 
+    def _keep_allowed(self, logits: torch.Tensor, allowed: list[Optional[np.ndarray]]) -> torch.Tensor:
+        masked = [i for i, mask in enumerate(allowed) if mask is not None]
+        index = self.stage(np.array(masked, dtype=np.int64))
+        keep = self.stage(np.stack([allowed[i] for i in masked]))
+        return logits.index_put((index,), logits[index].masked_fill(~keep, float("-inf")))
+
     def _suppress_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Below min_tokens, EOS and stop_token_ids cannot be sampled."""
         banned = []
@@ -151,7 +163,9 @@ class Sampler:
 def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor,
                     counts: list[Optional[int]]) -> list[Optional[TokenLogprobs]]:
     """Per row of raw logprobs: its token's logprob and rank, with the top counts[i] (None:
-    nothing for that row)."""
+    nothing for that row). -inf (a token JSON mode rules out) reads -9999.0, as in vLLM's API:
+    JSON has no infinity."""
+    raw = raw.clamp_min(LOGPROB_FLOOR)
     chosen = raw.gather(1, tokens.unsqueeze(1))
     ranks = (raw > chosen).sum(dim=-1) + 1
     max_n = max(n or 0 for n in counts)

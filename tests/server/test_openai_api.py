@@ -430,7 +430,9 @@ def test_more_bad_requests_are_400_with_the_field_named(server):
     for body, param in [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
                         ({"messages": [{"role": "user", "content": "x " * 5000}]}, "messages"),
                         ({"logit_bias": {"1000000": -1}}, "logit_bias"),
-                        ({"response_format": {"type": "json_object"}}, "response_format"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                         "response_format"),
+                        ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
                         ({"tools": [tool]}, "tool_choice"), ({"tools": [tool], "tool_choice": "required"}, "tool_choice")]:
         status, error = post(server + "/v1/chat/completions", {"messages": user, **body})
         assert status == 400 and error["error"]["param"] == param, (body, error)
@@ -454,3 +456,34 @@ def test_logit_bias_bans_and_forces_tokens(client, offline):
             assert expected.token_ids[0] != first
         else:
             assert expected.token_ids == [42] * 6
+
+
+def test_json_mode_answers_in_json_streamed_and_not(client, offline):
+    """response_format json_object: a JSON object, ended with EOS ("stop"); with '}' favoured
+    the object closes at once; sampled freely, every output is a prefix of one; streamed, the
+    same text."""
+    from streamserve.engine import structured_output as so
+
+    tok = {t: offline.get_tokenizer().convert_tokens_to_ids(t) for t in "{}"}
+    bias = {str(tok["}"]): 100, str(tok["{"]): 50}
+    user = [{"role": "user", "content": "Describe a cat in JSON."}]
+    fmt = {"type": "json_object"}
+    reply = client.chat.completions.create(model="tiny", messages=user, max_tokens=8, temperature=0,
+                                           logit_bias=bias, response_format=fmt)
+    assert (reply.choices[0].message.content, reply.choices[0].finish_reason) == ("{}", "stop")
+    sampled = client.chat.completions.create(model="tiny", messages=user, max_tokens=40, temperature=1.5, n=8,
+                                             seed=3, response_format=fmt)
+    for choice in sampled.choices:
+        assert so.advance(so.START, choice.message.content) is not None, choice.message.content
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict)
+    stream = client.chat.completions.create(model="tiny", messages=user, max_tokens=40, temperature=1.5, seed=3,
+                                            n=8, response_format=fmt, stream=True)
+    texts = ["" for _ in range(8)]
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == [c.message.content for c in sampled.choices]
+    completion = client.completions.create(model="tiny", prompt="cat:", max_tokens=8, temperature=0,
+                                           logit_bias=bias, extra_body={"response_format": fmt})
+    assert completion.choices[0].text == "{}"
