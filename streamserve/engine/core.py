@@ -40,9 +40,14 @@ class EngineCore:
     def validate(self, request: EngineCoreRequest) -> None:
         validate_prompt(request.prompt_token_ids, request.sampling_params,
                         self.config.model.max_model_len, self.vocab_size)
-        if request.sampling_params.structured_outputs is not None and self.scheduler.make_json_vocabulary is None:
-            raise ParamError("JSON mode needs the tokenizer, and this engine was built without one",
-                             "structured_outputs")
+        params = request.sampling_params
+        if params.structured_outputs is not None:
+            if self.scheduler.make_json_vocabulary is None:
+                raise ParamError("JSON mode needs the tokenizer, and this engine was built without one",
+                                 "structured_outputs")
+            if request.eos_token_id is None and not params.stop_token_set:
+                raise ParamError("JSON mode ends the object with EOS, and this model has none: give "
+                                 "stop_token_ids to end it with", "response_format")
 
     def _json_vocabulary(self, tokenizer) -> JsonVocabulary:
         start = time.perf_counter()

@@ -17,6 +17,7 @@ brackets any token holds), so a step mostly looks up masks it has already built.
 from __future__ import annotations
 
 import logging
+import re
 from collections import OrderedDict
 from typing import Optional
 
@@ -24,7 +25,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-MAX_WHITESPACE = 32  # whitespace characters in a row, anywhere outside strings
+MAX_WHITESPACE = 64  # whitespace characters in a row, anywhere outside strings
 MASK_CACHE_SIZE = 1024  # masks kept (bytes each: the vocabulary size)
 
 # Modes. A state is (mode, stack, aux, whitespace run): stack holds the open brackets
@@ -218,7 +219,11 @@ class JsonVocabulary:
 
 def token_texts(tokenizer, vocab_size: int) -> list[str]:
     """The text each token adds after others (a SentencePiece token's leading space too, as
-    the text after a preceding "a" shows); "" for special tokens and IDs past the tokenizer."""
+    the text after a preceding "a" shows); "" (never allowed) for special tokens, IDs past the
+    tokenizer, and SentencePiece's non-ASCII byte-fallback tokens (<0x80> and up): its decoder
+    turns a run of bytes that is not whole UTF-8 into U+FFFD, ASCII bytes after them too, so a
+    quote written as <0x22> after a lone <0xC3> would not be a quote. (Byte-level BPE decodes
+    only the broken bytes so: its partial-character tokens stay, as U+FFFD, inside strings.)"""
     special = set(tokenizer.all_special_ids) | {
         token_id for token_id, added in tokenizer.added_tokens_decoder.items() if added.special}
     anchor = tokenizer.convert_tokens_to_ids(tokenizer.tokenize("a"))[-1:]
@@ -227,7 +232,15 @@ def token_texts(tokenizer, vocab_size: int) -> list[str]:
     pairs = tokenizer.batch_decode([anchor + [token_id] for token_id in range(known)])
     texts = [text[len(base):] if text.startswith(base) else tokenizer.decode([token_id])
              for token_id, text in enumerate(pairs)]
+    pieces = tokenizer.convert_ids_to_tokens(list(range(known)))
+    for token_id, piece in enumerate(pieces):
+        byte = _BYTE_PIECE.fullmatch(piece or "")
+        if byte and int(byte.group(1), 16) >= 0x80:
+            texts[token_id] = ""
     for token_id in special:
         if token_id < known:
             texts[token_id] = ""
     return texts + [""] * (vocab_size - known)
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -160,3 +160,39 @@ def test_a_preempted_json_request_keeps_its_place_in_the_object(llama_dir):
     expected = [o.outputs[0].text for o in roomy.generate(["hello there"] * 12, params, use_tqdm=False)]
     assert [o.outputs[0].text for o in tight.generate(["hello there"] * 12, params, use_tqdm=False)] == expected
     assert tight.engine_core.scheduler.num_preemptions > 0
+
+
+def test_sentencepiece_byte_fallback_keeps_only_ascii_bytes():
+    """SentencePiece's decoder turns a run of byte tokens that is not whole UTF-8 into U+FFFD,
+    ASCII bytes after it too: <0xC3> then <0x22> is no quote. Non-ASCII byte tokens are never
+    allowed; ASCII ones are their character; leading spaces count."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    words = ["\u2581", "{", "}", '"', ":", "a", "\u2581a", '\u2581"', "\u00e9"]
+    sp = Tokenizer(models.Unigram([(p, 0.0) for p in pieces] + [(w, -1.0) for w in words], unk_id=0,
+                                  byte_fallback=True))
+    sp.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    sp.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
+    tok = PreTrainedTokenizerFast(tokenizer_object=sp, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    texts = so.token_texts(tok, 280)
+    byte = {b: 3 + b for b in range(256)}
+    assert texts[byte[0x22]] == '"' and texts[byte[0x0A]] == "\n"
+    assert texts[byte[0xC3]] == texts[byte[0xA9]] == "" and texts[0] == texts[2] == ""
+    by_piece = dict(zip(tok.convert_ids_to_tokens(list(range(len(tok)))), texts))
+    assert by_piece['\u2581"'] == ' "' and by_piece["\u00e9"] == "\u00e9" and by_piece["a"] == "a"
+
+
+def test_json_mode_needs_an_end(llama_dir):
+    """Without EOS or stop token IDs nothing could follow the closed object: refused, not left
+    to sample from an all-ruled-out row."""
+    from streamserve.engine.request import EngineCoreRequest
+
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
+    with pytest.raises(ParamError, match="EOS"):
+        llm.engine_core.validate(EngineCoreRequest("x", [5, 6], SamplingParams(structured_outputs=JSON), None, 0.0))
+    llm.engine_core.validate(EngineCoreRequest("x", [5, 6], SamplingParams(structured_outputs=JSON,
+                                                                           stop_token_ids=[7]), None, 0.0))
