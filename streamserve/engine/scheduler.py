@@ -154,14 +154,15 @@ class Scheduler:
 
     def _allowed_token_masks(self, num_scheduled: dict[str, int]) -> dict[str, np.ndarray]:
         """The JSON-mode requests that sample this step (their gap closes): what each may sample."""
-        masks = {}
-        if self._json_vocabulary is None:  # no JSON request yet: no per-step loop
+        masks: dict[str, np.ndarray] = {}
+        vocabulary = self._json_vocabulary
+        if vocabulary is None:  # no JSON request yet: no per-step loop
             return masks
         for req_id in num_scheduled:
             request = self.requests[req_id]
             if request.json_state is not None and request.num_computed_tokens == request.num_tokens:
-                masks[req_id] = self.json_vocabulary().allowed(
-                    request.json_state, {request.eos_token_id, *request.sampling_params.stop_token_set})
+                masks[req_id] = vocabulary.allowed(request.json_state, request.eos_token_id,
+                                                   request.sampling_params.stop_token_set)
         return masks
 
     def _preempt(self, request: Request) -> None:

@@ -38,7 +38,6 @@ START: State = (TOP, "", None, 0)
 
 _WHITESPACE = frozenset(" \t\n\r")
 _WS_MODES = frozenset({TOP, VALUE, ARRAY_FIRST, OBJECT_FIRST, KEY, COLON, AFTER_VALUE})
-_NUMBER_END = frozenset({NUM_ZERO, NUM_INT, FRAC, EXP})  # a number may end here
 _ESCAPES = frozenset('"\\/bfnrt')
 _HEX = frozenset("0123456789abcdefABCDEF")
 _DIGITS = frozenset("0123456789")
@@ -130,7 +129,7 @@ def _number(mode: int, stack: str, ch: str) -> Optional[State]:
         return FRAC_FIRST, stack, None, 0
     if ch in "eE" and mode in (NUM_ZERO, NUM_INT, FRAC):
         return EXP_FIRST, stack, None, 0
-    # the number ends here (mode is one of _NUMBER_END): the character follows a value
+    # the number ends here (at NUM_ZERO, NUM_INT, FRAC or EXP): the character follows a value
     return step((AFTER_VALUE, stack, None, 0), ch)
 
 
@@ -168,13 +167,14 @@ class JsonVocabulary:
         self.stack_depth = most_closers + 1  # what of the stack a token can reach
         self.masks: OrderedDict[tuple, np.ndarray] = OrderedDict()
 
-    def allowed(self, state: State, stop_ids: set[Optional[int]]) -> np.ndarray:
+    def allowed(self, state: State, eos_token_id: Optional[int], stop_token_ids: frozenset[int]) -> np.ndarray:
         """A [vocab_size] bool mask of the tokens allowed from `state` (not to be written); once
-        the object is whole, of `stop_ids`, the request's EOS and stop token IDs."""
+        the object is whole, the request's EOS and stop token IDs."""
         mode, stack, aux, ws = state
         if mode == DONE:
             mask = np.zeros(self.vocab_size, dtype=np.bool_)
-            mask[[t for t in stop_ids if t is not None and 0 <= t < self.vocab_size]] = True
+            ends = [*stop_token_ids, *(() if eos_token_id is None else (eos_token_id,))]
+            mask[[t for t in ends if 0 <= t < self.vocab_size]] = True
             return mask
         key = (mode, stack[-self.stack_depth:], len(stack) > self.stack_depth, aux, ws)
         mask = self.masks.get(key)

@@ -165,13 +165,12 @@ def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor,
     """Per row of raw logprobs: its token's logprob and rank, with the top counts[i] (None:
     nothing for that row). -inf (a token JSON mode rules out) reads -9999.0, as in vLLM's API:
     JSON has no infinity."""
-    raw = raw.clamp_min(LOGPROB_FLOOR)
     chosen = raw.gather(1, tokens.unsqueeze(1))
     ranks = (raw > chosen).sum(dim=-1) + 1
     max_n = max(n or 0 for n in counts)
     top_vals, top_ids = (raw.topk(max_n, dim=-1) if max_n else (None, None))
-    chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
-    top_vals_l = top_vals.tolist() if max_n else None
+    chosen_l, ranks_l = chosen.squeeze(1).clamp_min(LOGPROB_FLOOR).tolist(), ranks.tolist()
+    top_vals_l = top_vals.clamp_min(LOGPROB_FLOOR).tolist() if max_n else None
     top_ids_l = top_ids.tolist() if max_n else None
     return [None if n is None else TokenLogprobs(chosen_l[i], ranks_l[i], top_ids_l[i][:n] if n else [],
                                                  top_vals_l[i][:n] if n else [])

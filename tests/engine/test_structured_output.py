@@ -85,16 +85,17 @@ def vocabulary(llama_dir):
 
 
 def test_masks_match_a_check_of_every_token(vocabulary):
-    stops = {2}
+    stops = (2, frozenset())
     for prefix in ['', '{', '{"', '{"a', '{"a"', '{"a":', '{"a": 1', '{"a": [', '{"a": [tr', '{"a": "\\',
                    '{"a": "\\u0', '{"a": {"b": [1, {"c": ', '{' + ' ' * so.MAX_WHITESPACE, '{"a": 1.5e']:
         state = so.advance(so.START, prefix)
         expected = np.array([bool(text) and so.advance(state, text) is not None for text in vocabulary.texts])
-        mask = vocabulary.allowed(state, stops)
+        mask = vocabulary.allowed(state, *stops)
         assert (mask == expected).all(), (prefix, [vocabulary.texts[i] for i in np.flatnonzero(mask != expected)])
-        assert vocabulary.allowed(state, stops) is mask  # cached
+        assert vocabulary.allowed(state, *stops) is mask  # cached
     done = so.advance(so.START, "{}")
-    assert np.flatnonzero(vocabulary.allowed(done, {2, None, 7})).tolist() == [2, 7]
+    assert np.flatnonzero(vocabulary.allowed(done, 2, frozenset({7}))).tolist() == [2, 7]
+    assert np.flatnonzero(vocabulary.allowed(done, None, frozenset({7}))).tolist() == [7]
     assert vocabulary.texts[2] == "" and vocabulary.texts[399] == ""  # special, and past the tokenizer
 
 
@@ -103,10 +104,10 @@ def test_a_mask_cached_by_its_stack_top_serves_deeper_stacks(vocabulary):
     differ below it share a mask, and it is the right one for each."""
     deep = [so.advance(so.START, '{"a": ' + "[" * k + '{"b": {"c": {"d": ') for k in (5, 6)]
     assert len(deep[0][1]) > vocabulary.stack_depth
-    assert vocabulary.allowed(deep[0], {2}) is vocabulary.allowed(deep[1], {2})
+    assert vocabulary.allowed(deep[0], 2, frozenset()) is vocabulary.allowed(deep[1], 2, frozenset())
     shallow = so.advance(so.START, '{"a": {')
     closes = [i for i, t in enumerate(vocabulary.texts) if t == "}"]
-    assert vocabulary.allowed(shallow, {2})[closes].all()
+    assert vocabulary.allowed(shallow, 2, frozenset())[closes].all()
 
 
 def test_json_mode_output_is_json_and_ends_with_eos(llama_dir):
