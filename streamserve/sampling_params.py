@@ -20,14 +20,32 @@ class ParamError(ValueError):
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """Constrained decoding (vLLM's name). json_object: the output is one JSON object (the
-    OpenAI API's response_format {"type": "json_object"}), which ends with EOS once it closes."""
+    """Constrained decoding (vLLM's names), one of: `json`, a JSON schema (a dict or its text)
+    that the output is one value of (the OpenAI API's response_format {"type": "json_schema"});
+    `choice`, strings the output is exactly one of; `json_object=True`, the output is one JSON
+    object (response_format {"type": "json_object"}). It ends with EOS once it is whole.
+    What a schema may say: engine/structured_output.py."""
 
+    json: Optional[Union[str, dict]] = None
+    choice: Optional[list[str]] = None
     json_object: bool = False
 
     def __post_init__(self) -> None:
-        if self.json_object is not True:
-            raise ParamError("structured_outputs asks for nothing: set json_object=True", "structured_outputs")
+        from streamserve.engine.structured_output import SchemaError, start_states
+
+        given = [self.json is not None, self.choice is not None, self.json_object is not False]
+        if sum(given) != 1:
+            raise ParamError("structured_outputs takes one of json (a JSON schema), choice (a list of strings) "
+                             "or json_object=True", "structured_outputs")
+        if self.json_object not in (False, True):
+            raise ParamError("json_object must be true or false", "structured_outputs")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) and c for c in self.choice)):
+            raise ParamError("choice must be a non-empty list of non-empty strings", "structured_outputs")
+        try:
+            start_states(self)  # compiles (and caches) the schema: a bad one is refused here
+        except SchemaError as exc:
+            raise ParamError(str(exc), "structured_outputs") from None
 
 
 @dataclass
@@ -100,7 +118,7 @@ class SamplingParams:
              "structured_outputs", "structured_outputs must be a StructuredOutputsParams"),
             (self.structured_outputs is None or not (self.min_tokens or self.ignore_eos),
              "min_tokens" if self.min_tokens else "ignore_eos",
-             "JSON mode ends the output with EOS once the object closes: it takes neither min_tokens nor ignore_eos"),
+             "structured output ends with EOS once the output is whole: it takes neither min_tokens nor ignore_eos"),
         ]
         for ok, param, message in checks:
             if not ok:

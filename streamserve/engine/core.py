@@ -8,7 +8,7 @@ import time
 from streamserve.config import Config
 from streamserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request, validate_prompt
 from streamserve.engine.scheduler import Scheduler
-from streamserve.engine.structured_output import JsonVocabulary
+from streamserve.engine.structured_output import Vocabulary
 from streamserve.sampling_params import ParamError
 from streamserve.worker.model_runner import ModelRunner
 
@@ -26,12 +26,12 @@ class StepFailed(RuntimeError):
 
 class EngineCore:
     def __init__(self, config: Config, tokenizer=None) -> None:
-        """tokenizer: what JSON mode reads the tokens' texts from (without one, it is refused)."""
+        """tokenizer: what structured output reads the tokens' texts from (without one, it is refused)."""
         self.config = config
         self.model_runner = ModelRunner(config)
         self.vocab_size = self.model_runner.model.arch.vocab_size
         self.scheduler = Scheduler(config, self.model_runner.num_blocks,
-                                   None if tokenizer is None else lambda: self._json_vocabulary(tokenizer))
+                                   None if tokenizer is None else lambda: self._vocabulary(tokenizer))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.validate(request)
@@ -42,17 +42,17 @@ class EngineCore:
                         self.config.model.max_model_len, self.vocab_size)
         params = request.sampling_params
         if params.structured_outputs is not None:
-            if self.scheduler.make_json_vocabulary is None:
-                raise ParamError("JSON mode needs the tokenizer, and this engine was built without one",
+            if self.scheduler.make_vocabulary is None:
+                raise ParamError("structured output needs the tokenizer, and this engine was built without one",
                                  "structured_outputs")
             if request.eos_token_id is None and not params.stop_token_set:
-                raise ParamError("JSON mode ends the object with EOS, and this model has none: give "
-                                 "stop_token_ids to end it with", "response_format")
+                raise ParamError("structured output ends with EOS once the output is whole, and this model has "
+                                 "none: give stop_token_ids to end it with", "structured_outputs")
 
-    def _json_vocabulary(self, tokenizer) -> JsonVocabulary:
+    def _vocabulary(self, tokenizer) -> Vocabulary:
         start = time.perf_counter()
-        vocabulary = JsonVocabulary(tokenizer, self.vocab_size)
-        logger.info("JSON mode: read %d token texts in %.2f s", self.vocab_size, time.perf_counter() - start)
+        vocabulary = Vocabulary(tokenizer, self.vocab_size)
+        logger.info("structured output: read %d token texts in %.2f s", self.vocab_size, time.perf_counter() - start)
         return vocabulary
 
     def fail(self, request_ids: list[str]) -> list[str]:

@@ -13,7 +13,7 @@ import time
 from typing import NamedTuple, Optional
 
 from streamserve.engine.scheduler_output import TokenLogprobs
-from streamserve.engine.structured_output import START as _JSON_START
+from streamserve.engine.structured_output import start_states
 from streamserve.sampling_params import ParamError, SamplingParams
 
 
@@ -90,7 +90,7 @@ class Request:
                  "arrival_time", "max_tokens", "all_token_ids", "output_token_ids",
                  "num_computed_tokens", "num_cached_tokens", "status", "stop_reason",
                  "block_hashes", "num_preemptions", "first_scheduled_time", "num_prompt_logprobs",
-                 "json_state")
+                 "structured_state")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: Optional[int],
@@ -114,8 +114,9 @@ class Request:
         self.num_preemptions = 0
         self.first_scheduled_time: Optional[float] = None
         self.num_prompt_logprobs = 0  # prompt logprobs reported so far (of num_prompt_tokens - 1)
-        # JSON mode: the recognizer's state after the output so far (structured_output.py)
-        self.json_state = _JSON_START if sampling_params.structured_outputs is not None else None
+        # structured output: the recognizer's states after the output so far (structured_output.py)
+        structured = sampling_params.structured_outputs
+        self.structured_state = None if structured is None else start_states(structured)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

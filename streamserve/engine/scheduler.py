@@ -21,17 +21,17 @@ import numpy as np
 from streamserve.config import Config
 from streamserve.engine.kv_cache_manager import KVCacheManager
 from streamserve.engine.request import EngineCoreOutput, Request, RequestStatus
-from streamserve.engine.structured_output import JsonVocabulary
+from streamserve.engine.structured_output import Vocabulary
 from streamserve.engine.scheduler_output import (CachedRequestData, ModelRunnerOutput,
                                                  NewRequestData, SchedulerOutput)
 
 
 class Scheduler:
     def __init__(self, config: Config, num_blocks: int,
-                 json_vocabulary: Optional[Callable[[], JsonVocabulary]] = None) -> None:
-        # JSON mode's token texts and masks, built when a first request asks for it
-        self.make_json_vocabulary = json_vocabulary
-        self._json_vocabulary: Optional[JsonVocabulary] = None
+                 vocabulary: Optional[Callable[[], Vocabulary]] = None) -> None:
+        # structured output's token texts and masks, built when a first request asks for them
+        self.make_vocabulary = vocabulary
+        self._vocabulary: Optional[Vocabulary] = None
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = config.model.max_model_len
@@ -48,8 +48,8 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.json_state is not None:
-            self.json_vocabulary()
+        if request.structured_state is not None:
+            self.vocabulary()
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -144,24 +144,24 @@ class Scheduler:
         self.finished_req_ids = set()
         return output
 
-    def json_vocabulary(self) -> JsonVocabulary:
-        """JSON mode's token texts and masks, built for the first request that asks."""
-        if self._json_vocabulary is None:
-            if self.make_json_vocabulary is None:
-                raise ValueError("JSON mode needs the tokenizer: this scheduler was built without one")
-            self._json_vocabulary = self.make_json_vocabulary()
-        return self._json_vocabulary
+    def vocabulary(self) -> Vocabulary:
+        """Structured output's token texts and masks, built for the first request that asks."""
+        if self._vocabulary is None:
+            if self.make_vocabulary is None:
+                raise ValueError("structured output needs the tokenizer: this scheduler was built without one")
+            self._vocabulary = self.make_vocabulary()
+        return self._vocabulary
 
     def _allowed_token_masks(self, num_scheduled: dict[str, int]) -> dict[str, np.ndarray]:
-        """The JSON-mode requests that sample this step (their gap closes): what each may sample."""
+        """The structured-output requests that sample this step (their gap closes): what each may sample."""
         masks: dict[str, np.ndarray] = {}
-        vocabulary = self._json_vocabulary
-        if vocabulary is None:  # no JSON request yet: no per-step loop
+        vocabulary = self._vocabulary
+        if vocabulary is None:  # no structured request yet: no per-step loop
             return masks
         for req_id in num_scheduled:
             request = self.requests[req_id]
-            if request.json_state is not None and request.num_computed_tokens == request.num_tokens:
-                masks[req_id] = vocabulary.allowed(request.json_state, request.eos_token_id,
+            if request.structured_state is not None and request.num_computed_tokens == request.num_tokens:
+                masks[req_id] = vocabulary.allowed(request.structured_state, request.eos_token_id,
                                                    request.sampling_params.stop_token_set)
         return masks
 
@@ -186,8 +186,8 @@ class Scheduler:
             if request is None:  # aborted while the step ran
                 continue
             request.append_output_token(token)
-            if request.json_state is not None:
-                request.json_state = self.json_vocabulary().after(request.json_state, token)
+            if request.structured_state is not None:
+                request.structured_state = self.vocabulary().after(request.structured_state, token)
             finished = request.check_stop()
             queue_time = None
             if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:

@@ -1,25 +1,43 @@
-"""Structured output: JSON mode (`response_format: {"type": "json_object"}`).
+"""Structured output: JSON mode, JSON schemas and choices (vLLM's StructuredOutputsParams).
 
-A request whose SamplingParams.structured_outputs asks for a JSON object may only sample
-tokens whose text keeps its output a prefix of one JSON object (RFC 8259, at most
-MAX_WHITESPACE whitespace characters in a row, so a model cannot idle in whitespace); once
-the object closes, only its EOS or stop token IDs, which end it, as with vLLM's grammars.
+A request with SamplingParams.structured_outputs may only sample tokens whose text keeps its
+output a prefix of what it asks for: one JSON object (JSON mode, the OpenAI API's
+response_format {"type": "json_object"}), one JSON value that a JSON schema admits
+(response_format {"type": "json_schema"}), or one of a list of strings (vLLM's choice).
+Once the output is whole, only its EOS or stop token IDs, which end it, as with vLLM's
+grammars. Outside strings, at most MAX_WHITESPACE whitespace characters in a row, so a
+model cannot idle in whitespace.
 
-The grammar is a character-level recognizer whose state is an immutable tuple; a token is
-allowed from a state when the recognizer accepts each character of its text. The scheduler
-keeps each request's state (in the Request, so preemption loses nothing), asks this module
-for the allowed tokens of the requests that sample in a step, and advances the state with
-each sampled token. The masks are cached by the part of the state a token can reach (the
-mode, the whitespace run, and the top of the bracket stack down to the most closing
-brackets any token holds), so a step mostly looks up masks it has already built.
+A schema compiles (compile_schema) into a graph of Nodes, what a value at one place may be;
+the recognizer reads the output a character at a time. Its state is an immutable tuple
+(mode, stack, aux, whitespace run), the stack holding the open objects and arrays as
+(node, progress) frames; a schema's anyOf can leave several such states alive at once (two
+objects that both begin with "{"), so what a request keeps is a tuple of them: a token is
+allowed when any of them accepts each character of its text. The scheduler keeps each
+request's states (in the Request, so preemption loses nothing), asks this module for the
+allowed tokens of the requests that sample in a step, and advances the states with each
+sampled token. Masks are cached per state by the part of it a token can reach (the mode, its
+detail, the whitespace run, and the top of the stack down to the most closing brackets any
+token holds), so a step mostly looks up masks it has already built.
+
+What a schema may say: type (one or a list), properties, required, additionalProperties
+(false, or with no properties true or a schema: a map), items, minItems, maxItems, enum,
+const, anyOf, oneOf (as anyOf), allOf of one schema, and $ref within the document
+(recursion included); annotations (title, description, format, default, ...) are read and
+ignored, as JSON Schema's own rules have it for format. An object's properties come in the
+order the schema lists them (as OpenAI's and vLLM's strict modes write them), each at most
+once, none that it does not list. Any other keyword (pattern, minLength, minimum, ...) is
+refused rather than ignored: the output would not be held to it.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import re
 from collections import OrderedDict
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -27,123 +45,451 @@ logger = logging.getLogger(__name__)
 
 MAX_WHITESPACE = 64  # whitespace characters in a row, anywhere outside strings
 MASK_CACHE_SIZE = 1024  # masks kept (bytes each: the vocabulary size)
+SCHEMA_CACHE_SIZE = 64  # compiled schemas kept (by their text): requests alike share nodes and masks
+MAX_SCHEMA_DEPTH = 64  # schemas nested deeper are refused (a $ref cycle is no nesting)
 
-# Modes. A state is (mode, stack, aux, whitespace run): stack holds the open brackets
-# ("{" / "["), aux the mode's detail (a string's kind, a literal's rest, hex digits left).
-(TOP, VALUE, ARRAY_FIRST, OBJECT_FIRST, KEY, COLON, AFTER_VALUE, DONE, STRING, ESCAPE, UNICODE,
+
+class SchemaError(ValueError):
+    """A schema (or choice list) this module cannot hold an output to."""
+
+
+# ---- the compiled schema -----------------------------------------------------------------
+
+OBJECT, ARRAY, STRING_VALUE, NUMBER, INTEGER, LITERALS, UNION = range(7)
+
+
+class Node:
+    """What a value at one place may be. OBJECT: `keys` (JSON-encoded, in order) with their
+    `values` and whether each is `required`, or with no keys, `extra`: the values of any keys
+    (None: none); ARRAY: `item`, `min_items`, `max_items` (None: any); LITERALS: the values'
+    exact `texts`; UNION: `alternatives`."""
+
+    __slots__ = ("kind", "keys", "values", "required", "extra", "item", "min_items", "max_items", "texts",
+                 "alternatives", "candidates", "closable", "cap", "by_first")
+
+    def __init__(self, kind: int, **fields: Any) -> None:
+        self.kind = kind
+        self.keys, self.values, self.required = (), (), ()
+        self.extra = self.item = self.max_items = None
+        self.min_items = 0
+        self.texts, self.alternatives = frozenset(), ()
+        self.by_first: Optional[dict[str, tuple[Node, ...]]] = None  # a union's alternatives by first character
+        for name, value in fields.items():
+            setattr(self, name, value)
+        self.finish()
+
+    def finish(self) -> None:
+        # An object's progress is the index of the first key that may still come: the keys
+        # that may be next from each (up to the first required one), and whether it may close.
+        n = len(self.keys)
+        self.candidates = tuple(tuple(range(p, next((i + 1 for i in range(p, n) if self.required[i]), n)))
+                                for p in range(n + 1))
+        self.closable = tuple(not any(self.required[p:]) for p in range(n + 1))
+        # An array's progress is its items so far, counted up to what its bounds can tell apart.
+        self.cap = self.max_items if self.max_items is not None else self.min_items
+
+
+def _any_value() -> Node:
+    any_value = Node(UNION)
+    obj = Node(OBJECT, extra=any_value)
+    any_value.alternatives = (obj, Node(ARRAY, item=any_value), Node(STRING_VALUE), Node(NUMBER),
+                              Node(LITERALS, texts=frozenset(("true", "false", "null"))))
+    return any_value
+
+
+ANY = _any_value()
+ANY_OBJECT = ANY.alternatives[0]  # JSON mode's output
+
+_ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
+                          "readOnly", "writeOnly", "format", "$defs", "definitions", "contentEncoding",
+                          "contentMediaType", "strict"})
+_KEYWORDS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
+                            "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
+_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
+def _literal_text(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+class _Compiler:
+    def __init__(self, document: Any) -> None:
+        self.document = document
+        self.refs: dict[str, Node] = {}
+
+    def node(self, schema: Any, where: str, depth: int = 0) -> Node:
+        if depth > MAX_SCHEMA_DEPTH:
+            raise SchemaError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if schema is True or schema == {}:
+            return ANY
+        if not isinstance(schema, dict):
+            raise SchemaError(f"{where}: a schema must be an object or true, not {_literal_text(schema)[:60]}")
+        unknown = sorted(set(schema) - _KEYWORDS)
+        if unknown:
+            raise SchemaError(f"{where}: JSON schema keyword {', '.join(map(repr, unknown))} is not supported "
+                              "(the output could not be held to it)")
+        rules = {key: value for key, value in schema.items() if key not in _ANNOTATIONS}
+        for keyword in ("$ref", "allOf", "anyOf", "oneOf"):
+            if keyword in rules and len(rules) > 1:
+                others = ", ".join(sorted(set(rules) - {keyword}))
+                raise SchemaError(f"{where}: {keyword} beside other keywords ({others}) is not supported")
+        if "$ref" in rules:
+            return self.ref(rules["$ref"], where, depth)
+        if "allOf" in rules:
+            parts = rules["allOf"]
+            if not isinstance(parts, list) or len(parts) != 1:
+                raise SchemaError(f"{where}: allOf is supported with one schema only")
+            return self.node(parts[0], f"{where}/allOf/0", depth + 1)
+        for keyword in ("anyOf", "oneOf"):
+            if keyword in rules:
+                parts = rules[keyword]
+                if not isinstance(parts, list) or not parts:
+                    raise SchemaError(f"{where}: {keyword} must be a non-empty list of schemas")
+                return _union([self.node(p, f"{where}/{keyword}/{i}", depth + 1) for i, p in enumerate(parts)])
+        if "const" in rules or "enum" in rules:
+            values = [rules["const"]] if "const" in rules else rules["enum"]
+            if not isinstance(values, list) or not values:
+                raise SchemaError(f"{where}: enum must be a non-empty list")
+            try:
+                return Node(LITERALS, texts=frozenset(map(_literal_text, values)))
+            except ValueError:
+                raise SchemaError(f"{where}: enum and const values must be finite JSON") from None
+        kind = rules.get("type")
+        if kind is None:
+            kind = ("object" if {"properties", "required", "additionalProperties"} & set(rules)
+                    else "array" if {"items", "minItems", "maxItems"} & set(rules) else None)
+            if kind is None:
+                return ANY
+        if isinstance(kind, list):
+            if not kind or len(set(map(str, kind))) != len(kind):
+                raise SchemaError(f"{where}: type must be a type or a non-empty list of distinct types")
+            return _union([self.typed(rules, k, where, depth) for k in kind])
+        return self.typed(rules, kind, where, depth)
+
+    def typed(self, rules: dict, kind: Any, where: str, depth: int) -> Node:
+        if kind not in _TYPES:
+            raise SchemaError(f"{where}: unknown type {_literal_text(kind)[:60]}: one of {', '.join(_TYPES)}")
+        if kind == "object":
+            return self.object(rules, where, depth)
+        if kind == "array":
+            return self.array(rules, where, depth)
+        if kind in ("boolean", "null"):
+            return Node(LITERALS, texts=frozenset(("true", "false") if kind == "boolean" else ("null",)))
+        return Node({"string": STRING_VALUE, "number": NUMBER, "integer": INTEGER}[kind])
+
+    def object(self, rules: dict, where: str, depth: int) -> Node:
+        properties = rules.get("properties", {})
+        required = rules.get("required", [])
+        extra = rules.get("additionalProperties")
+        if not isinstance(properties, dict) or not isinstance(required, list) \
+                or not all(isinstance(r, str) for r in required):
+            raise SchemaError(f"{where}: properties must be an object and required a list of names")
+        missing = sorted(set(required) - set(properties))
+        if missing:
+            raise SchemaError(f"{where}: required names {', '.join(map(repr, missing))}, which properties does not list")
+        if properties:
+            if extra not in (None, False):
+                raise SchemaError(f"{where}: additionalProperties beside properties is not supported "
+                                  "(leave it out or set it false: only the listed properties are written)")
+            names = list(properties)
+            return Node(OBJECT, keys=tuple(map(_literal_text, names)), required=tuple(n in required for n in names),
+                        values=tuple(self.node(properties[n], f"{where}/properties/{n}", depth + 1) for n in names))
+        if extra is False:
+            return Node(OBJECT)  # {} only
+        return Node(OBJECT, extra=ANY if extra in (None, True) else
+                    self.node(extra, f"{where}/additionalProperties", depth + 1))
+
+    def array(self, rules: dict, where: str, depth: int) -> Node:
+        low, high = rules.get("minItems", 0), rules.get("maxItems")
+        for bound in (low, high):
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+                raise SchemaError(f"{where}: minItems and maxItems must be non-negative integers")
+        if high is not None and high < low:
+            raise SchemaError(f"{where}: maxItems is below minItems: no array fits")
+        items = rules.get("items", True)
+        if isinstance(items, list):
+            raise SchemaError(f"{where}: items as a list (tuples) is not supported")
+        return Node(ARRAY, item=self.node(items, f"{where}/items", depth + 1), min_items=low, max_items=high)
+
+    def ref(self, ref: Any, where: str, depth: int) -> Node:
+        """A $ref within the document ("#", "#/$defs/name", any JSON pointer): its node, made
+        once, so a recursive schema is a cycle in the graph."""
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise SchemaError(f"{where}: only $refs within the schema (#/...) are supported, not {ref!r}")
+        node = self.refs.get(ref)
+        if node is None:
+            target = self.document
+            for part in filter(None, ref[1:].split("/")):
+                part = part.replace("~1", "/").replace("~0", "~")
+                if isinstance(target, dict) and part in target:
+                    target = target[part]
+                elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                    target = target[int(part)]
+                else:
+                    raise SchemaError(f"{where}: $ref {ref!r} points at nothing in the schema")
+            node = self.refs[ref] = Node(UNION)  # filled below: a cycle back here finds it
+            made = self.node(target, ref, depth + 1)
+            for name in Node.__slots__:
+                setattr(node, name, getattr(made, name))
+        return node
+
+
+def _union(nodes: list[Node]) -> Node:
+    flat: list[Node] = []
+    for node in nodes:
+        for alternative in (node.alternatives if node.kind == UNION and node.alternatives else (node,)):
+            if alternative not in flat:
+                flat.append(alternative)
+    return flat[0] if len(flat) == 1 else Node(UNION, alternatives=tuple(flat))
+
+
+@functools.lru_cache(maxsize=SCHEMA_CACHE_SIZE)
+def _compiled(text: str) -> Node:
+    document = json.loads(text)
+    return _Compiler(document).node(document, "schema")
+
+
+def compile_schema(schema: Any) -> Node:
+    """A JSON schema (a dict, or its JSON text) as a Node; raises SchemaError for one this
+    module cannot hold an output to."""
+    try:
+        document = json.loads(schema) if isinstance(schema, str) else schema
+        text = json.dumps(document, allow_nan=False)  # key order kept: it is the properties' order
+    except (TypeError, ValueError) as exc:
+        raise SchemaError(f"the schema is not JSON: {exc}") from None
+    return _compiled(text)
+
+
+# ---- the recognizer ----------------------------------------------------------------------
+
+# Modes. A state is (mode, stack, aux, whitespace run); stack holds the open containers as
+# (node, progress); aux is the mode's detail: the node of the value to come (VALUE, COLON), a
+# string's kind, a key's text so far, a number's integer-ness, a literal's possible rests.
+(VALUE, ARRAY_FIRST, OBJECT_FIRST, KEY, KEY_TEXT, COLON, AFTER_VALUE, DONE, STRING, ESCAPE, UNICODE,
  NUM_MINUS, NUM_ZERO, NUM_INT, FRAC_FIRST, FRAC, EXP_FIRST, EXP_SIGN, EXP, LITERAL) = range(20)
 KEY_STRING, VALUE_STRING = 0, 1
-State = tuple  # (mode, stack: str, aux, whitespace: int)
-START: State = (TOP, "", None, 0)
+State = tuple  # (mode, stack: tuple of (Node, int), aux, whitespace: int)
+States = tuple  # the states alive at once (usually one)
+FINISHED: State = (DONE, (), None, 0)
 
 _WHITESPACE = frozenset(" \t\n\r")
-_WS_MODES = frozenset({TOP, VALUE, ARRAY_FIRST, OBJECT_FIRST, KEY, COLON, AFTER_VALUE})
+_WS_MODES = frozenset({VALUE, ARRAY_FIRST, OBJECT_FIRST, KEY, COLON, AFTER_VALUE})
 _ESCAPES = frozenset('"\\/bfnrt')
 _HEX = frozenset("0123456789abcdefABCDEF")
 _DIGITS = frozenset("0123456789")
-_LITERALS = {"t": "rue", "f": "alse", "n": "ull"}
+_NUMBER_ENDS = frozenset({NUM_ZERO, NUM_INT, FRAC, EXP})
 
 
-def step(state: State, ch: str) -> Optional[State]:
-    """The state after one more character, or None where the JSON object cannot go on so."""
+def start(node: Node) -> States:
+    """The states before a JSON value of `node`."""
+    return ((VALUE, (), node, 0),)
+
+
+def start_choice(choices: list[str]) -> States:
+    """The states before one of `choices`, as plain text."""
+    return ((LITERAL, (), frozenset(choices), 0),)
+
+
+START = start(ANY_OBJECT)  # JSON mode
+
+
+def start_states(params) -> States:
+    """The states before the output of a StructuredOutputsParams (its schema compiled, or
+    found compiled: raises SchemaError for one this module cannot hold an output to)."""
+    if params.json is not None:
+        return start(compile_schema(params.json))
+    if params.choice is not None:
+        return start_choice(params.choice)
+    return START
+
+
+def accepting(state: State) -> bool:
+    """Whether the output may end here: the value is whole (a top-level number or a literal
+    that another could still extend, as 1 or 12, may also end at EOS)."""
+    mode, stack, aux, _ = state
+    return mode == DONE or not stack and (mode in _NUMBER_ENDS or mode == LITERAL and "" in aux)
+
+
+def step(state: State, ch: str) -> States:
+    """The states after one more character (none where the output cannot go on so)."""
     mode, stack, aux, ws = state
     if mode == STRING:
         if ch == '"':
-            return (COLON if aux == KEY_STRING else AFTER_VALUE), stack, None, 0
+            return ((COLON, stack, stack[-1][0].extra, 0),) if aux == KEY_STRING else (_after_value(stack),)
         if ch == "\\":
-            return ESCAPE, stack, aux, 0
-        return state if ch >= " " else None
+            return ((ESCAPE, stack, aux, 0),)
+        return (state,) if ch >= " " else ()
     if ch in _WHITESPACE and mode in _WS_MODES:
-        return (mode, stack, aux, ws + 1) if ws < MAX_WHITESPACE else None
-    if mode == TOP:
-        return (OBJECT_FIRST, "{", None, 0) if ch == "{" else None
-    if mode in (VALUE, ARRAY_FIRST):
-        if ch == "]" and mode == ARRAY_FIRST:
-            return _close(stack)
-        return _value(stack, ch)
-    if mode == OBJECT_FIRST and ch == "}":
-        return _close(stack)
-    if mode in (OBJECT_FIRST, KEY):
-        return (STRING, stack, KEY_STRING, 0) if ch == '"' else None
+        return ((mode, stack, aux, ws + 1),) if ws < MAX_WHITESPACE else ()
+    if mode == VALUE:
+        return _value(stack, aux, ch)
+    if mode in (ARRAY_FIRST, AFTER_VALUE, OBJECT_FIRST, KEY, KEY_TEXT):
+        return _in_container(mode, stack, aux, ch)
     if mode == COLON:
-        return (VALUE, stack, None, 0) if ch == ":" else None
-    if mode == AFTER_VALUE:
-        if ch == ",":
-            return (KEY if stack[-1] == "{" else VALUE), stack, None, 0
-        if ch == ("}" if stack[-1] == "{" else "]"):
-            return _close(stack)
-        return None
+        return ((VALUE, stack, aux, 0),) if ch == ":" else ()
     if mode == ESCAPE:
         if ch == "u":
-            return UNICODE, stack, (aux, 4), 0
-        return (STRING, stack, aux, 0) if ch in _ESCAPES else None
+            return ((UNICODE, stack, (aux, 4), 0),)
+        return ((STRING, stack, aux, 0),) if ch in _ESCAPES else ()
     if mode == UNICODE:
         kind, left = aux
         if ch not in _HEX:
-            return None
-        return (STRING, stack, kind, 0) if left == 1 else (UNICODE, stack, (kind, left - 1), 0)
+            return ()
+        return ((STRING, stack, kind, 0),) if left == 1 else ((UNICODE, stack, (kind, left - 1), 0),)
     if mode == LITERAL:
-        if ch != aux[0]:
-            return None
-        return (AFTER_VALUE, stack, None, 0) if len(aux) == 1 else (LITERAL, stack, aux[1:], 0)
+        rests = _literal_rests(aux, ch)
+        if rests:
+            return (_literal(stack, rests),)
+        # a whole literal that a longer one shares (1 and 12): the character follows the value
+        return step(_after_value(stack), ch) if "" in aux else ()
     if mode == DONE:
-        return None
-    return _number(mode, stack, ch)
+        return ()
+    return _number(mode, stack, aux, ch)
 
 
-def _value(stack: str, ch: str) -> Optional[State]:
-    if ch == "{":
-        return OBJECT_FIRST, stack + "{", None, 0
-    if ch == "[":
-        return ARRAY_FIRST, stack + "[", None, 0
-    if ch == '"':
-        return STRING, stack, VALUE_STRING, 0
+def _value(stack: tuple, node: Node, ch: str) -> States:
+    kind = node.kind
+    if kind == UNION:
+        if node.by_first is None:
+            node.by_first = _by_first(node)
+        alternatives = node.by_first.get(ch, ())
+        if len(alternatives) == 1:  # the first character tells most unions apart
+            return _value(stack, alternatives[0], ch)
+        found: list[State] = []
+        for alternative in alternatives:
+            found += [s for s in _value(stack, alternative, ch) if s not in found]
+        return tuple(found)
+    if kind == OBJECT:
+        return ((OBJECT_FIRST, stack + ((node, 0),), None, 0),) if ch == "{" else ()
+    if kind == ARRAY:
+        return ((ARRAY_FIRST, stack + ((node, 0),), None, 0),) if ch == "[" else ()
+    if kind == STRING_VALUE:
+        return ((STRING, stack, VALUE_STRING, 0),) if ch == '"' else ()
+    if kind == LITERALS:
+        rests = _literal_rests(node.texts, ch)
+        return (_literal(stack, rests),) if rests else ()
+    integer = kind == INTEGER
     if ch == "-":
-        return NUM_MINUS, stack, None, 0
-    if ch == "0":
-        return NUM_ZERO, stack, None, 0
+        return ((NUM_MINUS, stack, integer, 0),)
     if ch in _DIGITS:
-        return NUM_INT, stack, None, 0
-    rest = _LITERALS.get(ch)
-    return (LITERAL, stack, rest, 0) if rest else None
+        return ((NUM_ZERO if ch == "0" else NUM_INT, stack, integer, 0),)
+    return ()
 
 
-def _close(stack: str) -> State:
-    stack = stack[:-1]
-    return (AFTER_VALUE, stack, None, 0) if stack else (DONE, "", None, 0)
+_FIRST = {OBJECT: "{", ARRAY: "[", STRING_VALUE: '"', NUMBER: "-0123456789", INTEGER: "-0123456789"}
 
 
-def _number(mode: int, stack: str, ch: str) -> Optional[State]:
+def _by_first(union: Node) -> dict[str, tuple[Node, ...]]:
+    """A union's alternatives (unions among them flattened) by the first characters they take."""
+    found: dict[str, list[Node]] = {}
+    pending, seen = list(union.alternatives), {id(union)}
+    while pending:
+        node = pending.pop(0)
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.kind == UNION:
+            pending += node.alternatives
+            continue
+        firsts = {text[:1] for text in node.texts} if node.kind == LITERALS else _FIRST[node.kind]
+        for ch in firsts:
+            found.setdefault(ch, []).append(node)
+    return {ch: tuple(nodes) for ch, nodes in found.items()}
+
+
+def _in_container(mode: int, stack: tuple, aux: Any, ch: str) -> States:
+    node, progress = stack[-1]
+    if node.kind == ARRAY:
+        if mode == ARRAY_FIRST and ch != "]":
+            return _value(_counted(stack), node.item, ch) if node.max_items != 0 else ()
+        if ch == "]":
+            return (_after_value(stack[:-1]),) if progress >= node.min_items else ()
+        if ch == ",":
+            more = node.max_items is None or progress < node.max_items
+            return ((VALUE, _counted(stack), node.item, 0),) if more else ()
+        return ()
+    if mode == KEY_TEXT:  # a listed key, its text so far in aux
+        text = aux + ch
+        for i in node.candidates[progress]:
+            if node.keys[i] == text:
+                return ((COLON, stack[:-1] + ((node, i + 1),), node.values[i], 0),)
+        if any(node.keys[i].startswith(text) for i in node.candidates[progress]):
+            return ((KEY_TEXT, stack, text, 0),)
+        return ()
+    if ch == "}" and mode != KEY:
+        return (_after_value(stack[:-1]),) if node.closable[progress] else ()
+    if ch == '"' and mode != AFTER_VALUE:
+        if node.extra is not None:
+            return ((STRING, stack, KEY_STRING, 0),)
+        return ((KEY_TEXT, stack, '"', 0),) if node.candidates[progress] else ()
+    if ch == "," and mode == AFTER_VALUE:
+        return ((KEY, stack, None, 0),) if node.extra is not None or node.candidates[progress] else ()
+    return ()
+
+
+def _counted(stack: tuple) -> tuple:
+    """The stack with one more item in its top array (counted up to the array's cap)."""
+    node, progress = stack[-1]
+    return stack if progress == node.cap else stack[:-1] + ((node, progress + 1),)
+
+
+def _after_value(stack: tuple) -> State:
+    return (AFTER_VALUE, stack, None, 0) if stack else FINISHED
+
+
+@functools.lru_cache(maxsize=4096)
+def _literal_rests(texts: frozenset, ch: str) -> frozenset:
+    """What may follow `ch` of the literals `texts` could go on with."""
+    return frozenset(text[1:] for text in texts if text[:1] == ch)
+
+
+def _literal(stack: tuple, rests: frozenset) -> State:
+    return _after_value(stack) if rests == {""} else (LITERAL, stack, rests, 0)
+
+
+def _number(mode: int, stack: tuple, integer: bool, ch: str) -> States:
     digit = ch in _DIGITS
     if mode == NUM_MINUS:
-        return (NUM_ZERO if ch == "0" else NUM_INT, stack, None, 0) if digit else None
+        return ((NUM_ZERO if ch == "0" else NUM_INT, stack, integer, 0),) if digit else ()
     if mode in (FRAC_FIRST, EXP_SIGN):
-        return (FRAC if mode == FRAC_FIRST else EXP, stack, None, 0) if digit else None
+        return ((FRAC if mode == FRAC_FIRST else EXP, stack, integer, 0),) if digit else ()
     if mode == EXP_FIRST:
         if ch in "+-":
-            return EXP_SIGN, stack, None, 0
-        return (EXP, stack, None, 0) if digit else None
+            return ((EXP_SIGN, stack, integer, 0),)
+        return ((EXP, stack, integer, 0),) if digit else ()
     if digit and mode != NUM_ZERO:
-        return mode, stack, None, 0
-    if ch == "." and mode in (NUM_ZERO, NUM_INT):
-        return FRAC_FIRST, stack, None, 0
-    if ch in "eE" and mode in (NUM_ZERO, NUM_INT, FRAC):
-        return EXP_FIRST, stack, None, 0
+        return ((mode, stack, integer, 0),)
+    if ch == "." and mode in (NUM_ZERO, NUM_INT) and not integer:
+        return ((FRAC_FIRST, stack, integer, 0),)
+    if ch in "eE" and mode in (NUM_ZERO, NUM_INT, FRAC) and not integer:
+        return ((EXP_FIRST, stack, integer, 0),)
     # the number ends here (at NUM_ZERO, NUM_INT, FRAC or EXP): the character follows a value
-    return step((AFTER_VALUE, stack, None, 0), ch)
+    return step(_after_value(stack), ch)
 
 
-def advance(state: Optional[State], text: str) -> Optional[State]:
-    """The state after `text`, or None where the text cannot follow."""
+def advance(states: Optional[States], text: str) -> Optional[States]:
+    """The states after `text`, or None where the text cannot follow."""
     for ch in text:
-        if state is None:
+        if not states:
             return None
-        state = step(state, ch)
-    return state
+        if len(states) == 1:
+            states = step(states[0], ch)
+        else:
+            after: list[State] = []
+            for state in states:
+                after += [s for s in step(state, ch) if s not in after]
+            states = tuple(after)
+    return states or None
 
 
-class JsonVocabulary:
-    """Each token's text and the masks of allowed tokens, for one tokenizer."""
+def is_complete(states: Optional[States]) -> bool:
+    return bool(states) and any(map(accepting, states))
+
+
+# ---- the tokens --------------------------------------------------------------------------
+
+class Vocabulary:
+    """Each token's text and the masks of the tokens allowed from a state, for one tokenizer."""
 
     def __init__(self, tokenizer, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -166,16 +512,38 @@ class JsonVocabulary:
         self.plain_in_string, self.special = plain, special
         self.stack_depth = most_closers + 1  # what of the stack a token can reach
         self.masks: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self.nothing = np.zeros(vocab_size, dtype=np.bool_)
 
-    def allowed(self, state: State, eos_token_id: Optional[int], stop_token_ids: frozenset[int]) -> np.ndarray:
-        """A [vocab_size] bool mask of the tokens allowed from `state` (not to be written); once
-        the object is whole, the request's EOS and stop token IDs."""
-        mode, stack, aux, ws = state
-        if mode == DONE:
-            mask = np.zeros(self.vocab_size, dtype=np.bool_)
+    def allowed(self, states: States, eos_token_id: Optional[int], stop_token_ids: frozenset[int]) -> np.ndarray:
+        """A [vocab_size] bool mask of the tokens allowed after the output so far (not to be
+        written): those that some state accepts, and once the output may end, the request's
+        EOS and stop token IDs. Where no token would be allowed (a schema's key with characters
+        no token spells) the ends are, so that the request stops rather than go on astray."""
+        masks = [self._mask(state) for state in states]
+        mask = masks[0] if len(masks) == 1 else np.logical_or.reduce(masks)
+        if any(map(accepting, states)) or not mask.any():
+            mask = mask.copy()
             ends = [*stop_token_ids, *(() if eos_token_id is None else (eos_token_id,))]
             mask[[t for t in ends if 0 <= t < self.vocab_size]] = True
-            return mask
+        return mask
+
+    def after(self, states: States, token_id: int) -> States:
+        """The states after a sampled token. The EOS or a stop token that ends a whole output
+        leaves them as they are; a token the mask did not allow (never, while masks apply)
+        ends the output where it stands: the request stops rather than go on astray."""
+        text = self.texts[token_id] if 0 <= token_id < self.vocab_size else None
+        after = advance(states, text) if text is not None else None
+        if after is not None:
+            return after
+        if not any(map(accepting, states)):
+            logger.error("structured output: token %d (%r) cannot follow the output; stopping the request",
+                         token_id, text)
+        return (FINISHED,)
+
+    def _mask(self, state: State) -> np.ndarray:
+        mode, stack, aux, ws = state
+        if mode == DONE:
+            return self.nothing
         key = (mode, stack[-self.stack_depth:], len(stack) > self.stack_depth, aux, ws)
         mask = self.masks.get(key)
         if mask is None:
@@ -187,18 +555,6 @@ class JsonVocabulary:
             self.masks.move_to_end(key)
         return mask
 
-    def after(self, state: State, token_id: int) -> State:
-        """The state after a sampled token. One the mask did not allow (never, while masks
-        apply) ends the object where it stands: the request stops rather than go on astray."""
-        if state[0] == DONE:
-            return state  # the EOS or stop token that ends the request
-        after = advance(state, self.texts[token_id]) if 0 <= token_id < self.vocab_size else None
-        if after is None:
-            logger.error("JSON mode: token %d (%r) cannot follow the output; stopping the request",
-                         token_id, self.texts[token_id] if 0 <= token_id < self.vocab_size else None)
-            return (DONE, "", None, 0)
-        return after
-
     def _build(self, state: State) -> np.ndarray:
         if state[0] == STRING:
             mask = self.plain_in_string.copy()
@@ -208,12 +564,12 @@ class JsonVocabulary:
             candidates = []
             for first, by_second in self.by_prefix.items():
                 after = step(state, first)
-                if after is not None:
+                if after:
                     candidates += [t for second, ids in by_second.items()
-                                   if not second or step(after, second) is not None for t in ids]
-        texts = self.texts
+                                   if not second or any(step(s, second) for s in after) for t in ids]
+        texts, states = self.texts, (state,)
         for token_id in candidates:
-            mask[token_id] = advance(state, texts[token_id]) is not None
+            mask[token_id] = advance(states, texts[token_id]) is not None
         return mask
 
 

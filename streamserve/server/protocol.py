@@ -75,8 +75,7 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
             raise bad_request("'stop' must be a non-empty string or a list of them", "stop")
         kwargs["stop"] = stop
-    if response_format(body) == "json_object":
-        kwargs["structured_outputs"] = StructuredOutputsParams(json_object=True)
+    kwargs["structured_outputs"] = structured_outputs(body)
     if kwargs.get("n", 1) > max_n:
         raise bad_request(f"'n' must be at most {max_n}", "n")
     try:
@@ -85,17 +84,45 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
         raise bad_request(str(exc), exc.param) from None
 
 
-def response_format(body: dict[str, Any]) -> str:
-    """'text' or 'json_object' (JSON mode: the output is one JSON object)."""
-    value = body.get("response_format")
-    if value is None:
-        return "text"
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind not in ("text", "json_object"):
-        raise bad_request(f"'response_format' {kind!r} is not supported: give {{\"type\": \"json_object\"}} "
-                          "(JSON mode) or {\"type\": \"text\"}; this server has no JSON-schema decoding",
-                          "response_format")
-    return kind
+def structured_outputs(body: dict[str, Any]) -> Optional[StructuredOutputsParams]:
+    """What the output is held to: OpenAI's response_format ({"type": "text"}, "json_object"
+    or "json_schema" with {"json_schema": {"name", "schema"}}) or vLLM's structured_outputs
+    ({"json": schema}, {"choice": [...]} or {"json_object": true}); None: free text."""
+    fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    if fmt is not None and extra is not None:
+        raise bad_request("give 'response_format' or 'structured_outputs', not both", "structured_outputs")
+    if extra is not None:
+        param = "structured_outputs"
+        unknown = sorted(set(extra) - {"json", "choice", "json_object"}) if isinstance(extra, dict) else None
+        if unknown is None or unknown:
+            raise bad_request("'structured_outputs' takes one of 'json' (a JSON schema), 'choice' (a list of "
+                              "strings) or 'json_object': true" + (f", not {', '.join(unknown)}" if unknown else ""),
+                              param)
+        kwargs = extra
+    elif fmt is None:
+        return None
+    else:
+        param = "response_format"
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            kwargs = {"json_object": True}
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or "schema" not in spec:
+                raise bad_request("'response_format' json_schema takes {\"json_schema\": {\"name\": ..., "
+                                  "\"schema\": {...}}}", param)
+            if not isinstance(spec["schema"], (dict, bool)):
+                raise bad_request("'response_format.json_schema.schema' must be a JSON schema (an object)", param)
+            kwargs = {"json": spec["schema"]}
+        else:
+            raise bad_request(f"'response_format' {kind!r} is not supported: give {{\"type\": \"text\"}}, "
+                              "\"json_object\" (JSON mode) or \"json_schema\"", param)
+    try:
+        return StructuredOutputsParams(**kwargs)
+    except ParamError as exc:
+        raise bad_request(str(exc), param) from None
 
 
 def logprobs_setting(body: dict[str, Any], chat: bool) -> Optional[int]:

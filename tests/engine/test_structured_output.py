@@ -2,6 +2,7 @@
 token, and requests through the engine that may only say JSON."""
 
 import json
+import re
 import random
 
 import numpy as np
@@ -15,9 +16,8 @@ from streamserve.sampling_params import ParamError
 JSON = StructuredOutputsParams(json_object=True)
 
 
-def complete(text: str) -> bool:
-    state = so.advance(so.START, text)
-    return state is not None and state[0] == so.DONE
+def complete(text: str, start=so.START) -> bool:
+    return so.is_complete(so.advance(start, text))
 
 
 def random_value(rng: random.Random, depth: int = 0):
@@ -39,11 +39,11 @@ def test_every_prefix_of_a_json_object_is_accepted_and_only_the_whole_completes(
         value = {f"key {i}": random_value(rng) for i in range(rng.randrange(4))}
         text = json.dumps(value, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 2]),
                           separators=rng.choice([None, (",", ":")]))
-        state = so.START
+        states = so.START
         for i, ch in enumerate(text):
-            assert state is not None and state[0] != so.DONE, (text, i)
-            state = so.step(state, ch)
-        assert state is not None and state[0] == so.DONE, text
+            assert states and not so.is_complete(states), (text, i)
+            states = so.advance(states, ch)
+        assert so.is_complete(states), text
         assert json.loads(text) == value
 
 
@@ -81,7 +81,7 @@ def test_whitespace_runs_are_capped():
 
 @pytest.fixture(scope="module")
 def vocabulary(llama_dir):
-    return so.JsonVocabulary(load_tokenizer(llama_dir), 400)  # the model's rows past the tokenizer too
+    return so.Vocabulary(load_tokenizer(llama_dir), 400)  # the model's rows past the tokenizer too
 
 
 def test_masks_match_a_check_of_every_token(vocabulary):
@@ -103,7 +103,7 @@ def test_a_mask_cached_by_its_stack_top_serves_deeper_stacks(vocabulary):
     """Keys hold the stack's top down to the most closing brackets any token has: states that
     differ below it share a mask, and it is the right one for each."""
     deep = [so.advance(so.START, '{"a": ' + "[" * k + '{"b": {"c": {"d": ') for k in (5, 6)]
-    assert len(deep[0][1]) > vocabulary.stack_depth
+    assert len(deep[0][0][1]) > vocabulary.stack_depth
     assert vocabulary.allowed(deep[0], 2, frozenset()) is vocabulary.allowed(deep[1], 2, frozenset())
     shallow = so.advance(so.START, '{"a": {')
     closes = [i for i, t in enumerate(vocabulary.texts) if t == "}"]
@@ -197,3 +197,174 @@ def test_json_mode_needs_an_end(llama_dir):
         llm.engine_core.validate(EngineCoreRequest("x", [5, 6], SamplingParams(structured_outputs=JSON), None, 0.0))
     llm.engine_core.validate(EngineCoreRequest("x", [5, 6], SamplingParams(structured_outputs=JSON,
                                                                            stop_token_ids=[7]), None, 0.0))
+
+
+# ---- JSON schemas and choices -------------------------------------------------------------
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                      "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": ["string", "null"]},
+                                      "c": {"const": {"x": [1, 2]}}, "d": {"type": "boolean"}},
+     "required": ["d"], "additionalProperties": False},
+    {"anyOf": [{"type": "object", "properties": {"kind": {"const": "circle"}, "r": {"type": "number"}},
+                "required": ["kind", "r"]},
+               {"type": "object", "properties": {"kind": {"const": "square"}, "side": {"type": "integer"}},
+                "required": ["kind", "side"]}]},
+    {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"},
+                                                        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+                        "required": ["v"]}},
+     "$ref": "#/$defs/node"},
+    {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "integer"}},
+     "minItems": 1, "maxItems": 3},
+    {"enum": [1, 12, "x", None, True]},
+    {"type": "integer"},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date-time", "title": "When"},
+                                      "any": {}, "n": {"oneOf": [{"type": "integer"}, {"type": "null"}]}}},
+]
+
+
+def random_walk(states, alphabet: str, rng: random.Random, limit: int = 400):
+    """Characters the recognizer accepts, at random, until it may stop (or `limit`): the text."""
+    text = ""
+    closers = set('"}]0123456789el')
+    while len(text) < limit:
+        if so.is_complete(states) and rng.random() < 0.3:
+            return text
+        options = [c for c in alphabet if so.advance(states, c)]
+        if not options:
+            return text
+        urgent = [c for c in options if c in closers]
+        ch = rng.choice(urgent if urgent and len(text) > 60 and rng.random() < 0.7 else options)
+        states = so.advance(states, ch)
+        text += ch
+    return text
+
+
+@pytest.mark.parametrize("index", range(len(SCHEMAS)))
+def test_what_a_schema_lets_through_is_valid_under_it(index):
+    """Random walks through the recognizer: every whole output is JSON that the jsonschema
+    package validates against the schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = SCHEMAS[index]
+    start = so.start(so.compile_schema(schema))
+    alphabet = sorted(set(json.dumps(schema)) | set('{}[]",: \n0123456789-.eE+truefalsnxy\\'))
+    rng = random.Random(index)
+    whole = 0
+    for _ in range(150):
+        text = random_walk(start, alphabet, rng)
+        if complete(text, start):
+            whole += 1
+            jsonschema.validate(json.loads(text), schema)
+    assert whole >= 30
+
+
+@pytest.mark.parametrize("index, text, ok", [
+    (0, '{"name": "bob", "age": 3}', True),
+    (0, json.dumps({"name": "x", "age": -1, "tags": ["a", "b"]}, indent=2), True),
+    (0, '{"name": "x", "age": 1, "tags": []}', True),
+    (0, '{"age": 3, "name": "bob"}', False),  # out of the schema's order
+    (0, '{"name": "bob"}', False),  # a required property missing
+    (0, '{"name": "bob", "age": 3.5}', False),
+    (0, '{"name": "bob", "age": 3, "tags": ["a", "b", "a"]}', False),  # maxItems
+    (0, '{"name": "bob", "age": 3, "x": 1}', False),  # not listed
+    (0, '{"name": "bob", "name": "bob", "age": 3}', False),
+    (1, '{"d": true}', True),
+    (1, '{"a": -1.5e3, "b": null, "c": {"x":[1,2]}, "d": false}', True),
+    (1, '{"c": {"x": [1, 2]}, "d": false}', False),  # a const is written compactly
+    (2, '{"kind": "square", "side": 2}', True),
+    (2, '{"kind": "circle", "r": 0.5}', True),
+    (2, '{"kind": "circle", "side": 2}', False),
+    (3, '{"v": 1, "kids": [{"v": 2, "kids": []}, {"v": 3}]}', True),
+    (3, '{"v": 1, "kids": [{"kids": []}]}', False),
+    (4, '[{"a": 1, "b": 2}, {}]', True),
+    (4, '[]', False),
+    (4, '[{"a": "1"}]', False),
+    (5, '12', True), (5, '1', True), (5, '"x"', True), (5, 'null', True), (5, '2', False),
+    (6, '-42', True), (6, '4.2', False), (6, '04', False),
+    (7, '{}', True), (7, '{"when": "2026-11-30", "any": [{"k": null}], "n": 5}', True),
+])
+def test_a_schema_admits_its_values_in_order(index, text, ok):
+    start = so.start(so.compile_schema(SCHEMAS[index]))
+    assert complete(text, start) == ok, text
+
+
+@pytest.mark.parametrize("schema, words", [
+    ({"type": "string", "pattern": "a+"}, "'pattern' is not supported"),
+    ({"type": "integer", "minimum": 0}, "'minimum'"),
+    ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, "additionalProperties beside"),
+    ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b'"),
+    ({"$ref": "#/$defs/missing"}, "points at nothing"),
+    ({"$ref": "https://example.com/s.json"}, "within the schema"),
+    ({"type": "array", "items": [{}, {}]}, "tuples"),
+    ({"type": "array", "minItems": 3, "maxItems": 2}, "no array fits"),
+    ({"type": "thing"}, "unknown type"),
+    ({"enum": []}, "non-empty"),
+    ({"allOf": [{"type": "string"}, {"type": "null"}]}, "one schema only"),
+    ({"$ref": "#", "type": "string"}, "beside other keywords"),
+    ("{not json", "not JSON"),
+])
+def test_what_a_schema_says_that_cannot_be_held_to_is_refused(schema, words):
+    with pytest.raises(ParamError, match=re.escape(words)):
+        StructuredOutputsParams(json=schema)
+
+
+def test_structured_outputs_asks_for_exactly_one_thing():
+    for kwargs in ({}, {"json": {}, "choice": ["a"]}, {"json_object": True, "choice": ["a"]}):
+        with pytest.raises(ParamError, match="one of"):
+            StructuredOutputsParams(**kwargs)
+    for choice in ([], ["a", ""], "ab", [1]):
+        with pytest.raises(ParamError, match="choice"):
+            StructuredOutputsParams(choice=choice)
+
+
+def test_a_choice_that_another_extends_may_end_or_go_on():
+    start = so.start_choice(["yes", "yes please", "no"])
+    assert complete("yes", start) and complete("yes please", start) and complete("no", start)
+    assert not complete("yes p", start) and so.advance(start, "maybe") is None
+    assert so.advance(start, " yes") is None  # plain text: no whitespace of its own
+
+
+def test_a_schema_state_mask_matches_a_check_of_every_token(vocabulary):
+    """Masks of schema states (a listed key half written, a union of two objects both alive, a
+    top-level number that may end) against every token checked; the request's ends where the
+    output may stop."""
+    stops = (2, frozenset())
+    cases = [(0, '{"na'), (0, '{"name": "bob", '), (2, '{'), (2, '{"kind": "'), (5, '1'), (6, '-3'), (3, '{"v": 1, "kids": [')]
+    for index, prefix in cases:
+        states = so.advance(so.start(so.compile_schema(SCHEMAS[index])), prefix)
+        expected = np.array([bool(text) and so.advance(states, text) is not None for text in vocabulary.texts])
+        expected[2] = so.is_complete(states)
+        mask = vocabulary.allowed(states, *stops)
+        assert (mask == expected).all(), (prefix, [vocabulary.texts[i] for i in np.flatnonzero(mask != expected)])
+    assert len(so.advance(so.start(so.compile_schema(SCHEMAS[2])), "{")) == 2  # both objects alive
+
+
+def test_a_schema_is_compiled_once_for_requests_alike():
+    a = so.start_states(StructuredOutputsParams(json=SCHEMAS[3]))
+    b = so.start_states(StructuredOutputsParams(json=json.dumps(SCHEMAS[3])))
+    assert a == b and a[0][2] is b[0][2]
+
+
+def test_schema_and_choice_outputs_through_the_engine(llama_dir):
+    """A random model sampling under a schema of closed values writes outputs the jsonschema
+    package validates, ended with EOS; under a choice, one of the choices."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 30]},
+                                               "list": {"type": "array", "items": {"type": "null"}, "maxItems": 3}},
+              "required": ["ok", "n"]}
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
+    texts = so.token_texts(llm.get_tokenizer(), 400)
+    no_spaces = {t: -100.0 for t, text in enumerate(texts) if text and text.isspace()}  # a random model idles in them
+    structured = StructuredOutputsParams(json=schema)
+    params = [SamplingParams(max_tokens=80, temperature=1.0, seed=seed, structured_outputs=structured,
+                             logit_bias=no_spaces) for seed in range(8)]
+    for out in (o.outputs[0] for o in llm.generate(["hello"] * 8, params, use_tqdm=False)):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+    choices = ["red", "green", "blue"]
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=0, n=6,
+                            structured_outputs=StructuredOutputsParams(choice=choices))
+    outs = llm.generate("hello", params, use_tqdm=False)[0].outputs
+    assert all(o.text in choices and o.finish_reason == "stop" for o in outs), [o.text for o in outs]

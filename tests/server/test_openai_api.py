@@ -432,6 +432,12 @@ def test_more_bad_requests_are_400_with_the_field_named(server):
                         ({"logit_bias": {"1000000": -1}}, "logit_bias"),
                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
                          "response_format"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {
+                            "name": "x", "schema": {"type": "string", "pattern": "a+"}}}}, "response_format"),
+                        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+                        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+                        ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "text"}},
+                         "structured_outputs"),
                         ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
                         ({"tools": [tool]}, "tool_choice"), ({"tools": [tool], "tool_choice": "required"}, "tool_choice")]:
         status, error = post(server + "/v1/chat/completions", {"messages": user, **body})
@@ -487,3 +493,35 @@ def test_json_mode_answers_in_json_streamed_and_not(client, offline):
     completion = client.completions.create(model="tiny", prompt="cat:", max_tokens=8, temperature=0,
                                            logit_bias=bias, extra_body={"response_format": fmt})
     assert completion.choices[0].text == "{}"
+
+
+def test_json_schema_and_choice_hold_the_output(client, offline):
+    """response_format json_schema: the reply is JSON the jsonschema package validates against
+    the schema, ended with EOS, streamed the same; vLLM's structured_outputs choice on
+    completions: one of the choices."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from streamserve.engine import structured_output as so
+
+    schema = {"type": "object", "properties": {"pet": {"enum": ["cat", "dog"]}, "legs": {"type": "integer"},
+                                               "wild": {"type": ["boolean", "null"]}},
+              "required": ["pet", "legs", "wild"]}
+    texts = so.token_texts(offline.get_tokenizer(), 400)
+    bias = {str(t): -100 for t, text in enumerate(texts) if text and (text.isspace() or text.isdigit())}
+    fmt = {"type": "json_schema", "json_schema": {"name": "animal", "schema": schema, "strict": True}}
+    user = [{"role": "user", "content": "Describe a cat."}]
+    reply = client.chat.completions.create(model="tiny", messages=user, max_tokens=60, temperature=1.0, seed=5,
+                                           n=4, logit_bias=bias, response_format=fmt)
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    stream = client.chat.completions.create(model="tiny", messages=user, max_tokens=60, temperature=1.0, seed=5,
+                                            n=4, logit_bias=bias, response_format=fmt, stream=True)
+    streamed = ["" for _ in range(4)]
+    for chunk in stream:
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [c.message.content for c in reply.choices]
+    choices = ["yes", "no", "maybe"]
+    completion = client.completions.create(model="tiny", prompt="Is it?", max_tokens=10, temperature=1.0, seed=1,
+                                           n=5, extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in completion.choices)
