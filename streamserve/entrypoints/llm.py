@@ -55,15 +55,16 @@ class LLM:
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: Optional[dict] = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, tools: Optional[list[dict]] = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them (with
         continue_final_message, the model goes on with the last, assistant message; set
-        add_generation_prompt to False then, as vLLM asks)."""
+        add_generation_prompt to False then, as vLLM asks). `tools`: the functions the model
+        may call, for templates that describe them (OpenAI's shape)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
             text = self.renderer.render_chat(conversation, add_generation_prompt, chat_template_kwargs,
-                                             continue_final_message)
+                                             continue_final_message, tools)
             prompts.append({"prompt": text, "prompt_token_ids":
                             self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)

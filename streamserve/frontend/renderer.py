@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Any, Optional
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -31,10 +32,12 @@ class Renderer:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def render_chat(self, messages: list[Message], add_generation_prompt: bool = True,
-                    chat_template_kwargs: Optional[dict] = None, continue_final_message: bool = False) -> str:
+                    chat_template_kwargs: Optional[dict] = None, continue_final_message: bool = False,
+                    tools: Optional[list[dict]] = None) -> str:
         """The conversation as the prompt text the model was trained on; with
         continue_final_message, open at the end of the last message (an assistant's reply
-        begun, usually), for the model to go on with it."""
+        begun, usually), for the model to go on with it. `tools`: the functions the model
+        may call, for templates that describe them."""
         if not messages:
             raise ValueError("messages is empty: give at least one message")
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -49,20 +52,44 @@ class Renderer:
                              "renderer's own settings, not the template's variables", "chat_template_kwargs")
         from jinja2 import TemplateError
 
+        messages = [_for_template(m) for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {}))
         except TemplateError as exc:  # the template's own raise_exception(...), e.g. roles out of turn
             raise ValueError(f"the chat template refused these messages: {exc}") from None
         except TypeError as exc:  # a chat_template_kwargs value of a kind the template cannot use
             raise ValueError(f"the chat template failed on these messages and settings: {exc}") from None
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True,
-                    chat_template_kwargs: Optional[dict] = None, continue_final_message: bool = False) -> list[int]:
+                    chat_template_kwargs: Optional[dict] = None, continue_final_message: bool = False,
+                    tools: Optional[list[dict]] = None) -> list[int]:
         # The template already holds any BOS it wants: do not add special tokens twice.
-        text = self.render_chat(messages, add_generation_prompt, chat_template_kwargs, continue_final_message)
+        text = self.render_chat(messages, add_generation_prompt, chat_template_kwargs, continue_final_message,
+                                tools)
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _for_template(message: Message) -> Message:
+    """A message as chat templates read it: an assistant's tool calls with their arguments as
+    objects where they are a JSON object's text (vLLM's way: templates write them with tojson)."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    read = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                call = {**call, "function": {**function, "arguments": parsed}}
+        read.append(call)
+    return {**message, "tool_calls": read}
 
 
 # apply_chat_template's own parameters (tokenize, chat_template, ...) and what it gives the

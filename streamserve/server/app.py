@@ -31,6 +31,7 @@ from streamserve.sampling_params import ParamError
 from streamserve.server import protocol
 from streamserve.server.metrics import Metrics
 from streamserve.server.protocol import APIError, bad_request
+from streamserve.server.tools import ToolCallReader, tool_calling, tools_for_template
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -243,8 +244,8 @@ def encode_chat(engine: AsyncEngine, body: dict[str, Any]) -> list[int]:
     """A chat body's messages through the chat template, as its options say, to token IDs."""
     messages, options = protocol.chat_messages(body), protocol.chat_options(body)
     try:
-        return engine.renderer.encode_chat(messages, options.add_generation_prompt,
-                                           options.chat_template_kwargs, options.continue_final_message)
+        return engine.renderer.encode_chat(messages, options.add_generation_prompt, options.chat_template_kwargs,
+                                           options.continue_final_message, tools_for_template(body))
     except ValueError as exc:  # the template's refusal is about the messages
         raise bad_request(str(exc), exc.param if isinstance(exc, ParamError) else "messages") from None
 
@@ -313,6 +314,16 @@ class _Call:
         self.params = protocol.sampling_params(body, serving.server.max_n,
                                                default_max_tokens=None if chat else 16,
                                                logprobs=protocol.logprobs_setting(body, chat))
+        # tool_choice "required" or a named function: the output is held to the calls' schema
+        self.tool_calling = tool_calling(body) if chat else None
+        if self.tool_calling is not None:
+            if self.params.structured_outputs is not None:
+                raise bad_request("a tool call is JSON of its own: give 'tool_choice' or 'response_format' / "
+                                  "'structured_outputs', not both", "tool_choice")
+            try:
+                self.params = dataclasses.replace(self.params, structured_outputs=self.tool_calling.structured)
+            except ParamError as exc:
+                raise bad_request(str(exc), exc.param) from None
         # vLLM's prompt_logprobs field: the prompt's logprobs in the response, in vLLM's shape
         self.prompt_logprobs_field = self.params.prompt_logprobs  # (its top N) or None
         if self.prompt_logprobs_field is not None and self.stream and chat:  # (as in vLLM)
@@ -372,6 +383,14 @@ class _Call:
                                                          logprobs=None if s.logprobs is None else [])
                                      for s in delta.outputs]
                 yield delta
+
+    def message(self, text: str) -> dict[str, Any]:
+        """A chat choice's message: the text, or the tool calls it makes."""
+        if self.tool_calling is None:
+            return {"role": "assistant", "content": text}
+        reader = ToolCallReader(self.tool_calling)
+        reader.feed(text)
+        return {"role": "assistant", "content": None, "tool_calls": reader.calls}
 
     def chunk(self, choices: list[dict[str, Any]], usage: Optional[dict] = None) -> dict[str, Any]:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -449,7 +468,7 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
                 if s.logprobs is not None:
                     logprobs[s.index] += s.logprobs
     if call.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+        choices = [{"index": i, "message": call.message(texts[i]),
                     "logprobs": call.logprobs(logprobs[i], 0), "finish_reason": finish[i]}
                    for i in range(n)]
         kind = "chat.completion"
@@ -547,6 +566,7 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
     prompt's tokens, its own completion tokens), as vLLM sends them."""
     n = call.num_choices
     completion_tokens, text_offsets = [0] * n, [0] * n
+    readers = None if call.tool_calling is None else [ToolCallReader(call.tool_calling) for _ in range(n)]
 
     def chunks(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not call.continuous_usage:
@@ -575,7 +595,10 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
                       "finish_reason": s.finish_reason}
             text_offsets[s.index] += sum(len(next(iter(e.values())).decoded_token or "")
                                          for e in s.logprobs or ())
-            if call.chat:
+            if readers is not None:
+                calls = readers[s.index].feed(s.text)
+                choice["delta"] = {"tool_calls": calls} if calls else {}
+            elif call.chat:
                 choice["delta"] = {"content": s.text} if s.text else {}
             else:
                 choice["text"] = s.text

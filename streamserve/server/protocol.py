@@ -153,9 +153,6 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise bad_request("'best_of' is not supported: every sample is returned (use 'n')", "best_of")
-    for tools, choice in (("tools", "tool_choice"), ("functions", "function_call")):
-        if body.get(tools) and body.get(choice, "auto") != "none":
-            raise bad_request(f"this server does not call tools: '{tools}' needs '{choice}': 'none'", choice)
 
 
 def echo_setting(body: dict[str, Any], chat: bool) -> bool:
@@ -236,7 +233,7 @@ def chat_options(body: dict[str, Any]) -> ChatOptions:
     return ChatOptions(not go_on if add is None else add, go_on, kwargs)
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
@@ -254,5 +251,17 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        result.append({"role": m["role"], "content": content})
+        message = {"role": m["role"], "content": content}
+        for key, kind in (("name", str), ("tool_call_id", str), ("tool_calls", list)):
+            if m.get(key) is not None:
+                if not isinstance(m[key], kind):
+                    raise bad_request(f"messages[{i}].{key} must be a {'list' if kind is list else 'string'}",
+                                      "messages")
+                message[key] = m[key]
+        for call in message.get("tool_calls", ()):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise bad_request(f"messages[{i}].tool_calls: each must be {{\"type\": \"function\", "
+                                  "\"function\": {\"name\": ..., \"arguments\": ...}}", "messages")
+        result.append(message)
     return result

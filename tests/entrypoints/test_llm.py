@@ -201,6 +201,23 @@ def test_chat_continues_the_final_message_and_passes_template_variables(llm, tok
         tok.chat_template = template
 
 
+def test_chat_passes_tools_and_tool_calls_to_the_template(llm, tok):
+    """`tools` reach the template; an assistant's tool call arguments given as JSON text reach
+    it as an object (templates write them with tojson)."""
+    conversation = [{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    template = tok.chat_template
+    tok.chat_template = ("{% for t in tools %}{{ t.function.name }};{% endfor %}"
+                         "{% for c in messages[1].tool_calls %}{{ c.function.name }}({{ c.function.arguments.x }})"
+                         "{% endfor %}")
+    try:
+        assert llm.chat(conversation, greedy(1), use_tqdm=False, tools=tools)[0].prompt == "f;f(1)"
+    finally:
+        tok.chat_template = template
+
+
 def test_chat_list_of_conversations(llm, tok):
     out = llm.chat(CONVERSATIONS, greedy(4), use_tqdm=False)
     assert len(out) == 2

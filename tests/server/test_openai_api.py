@@ -439,7 +439,17 @@ def test_more_bad_requests_are_400_with_the_field_named(server):
                         ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "text"}},
                          "structured_outputs"),
                         ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
-                        ({"tools": [tool]}, "tool_choice"), ({"tools": [tool], "tool_choice": "required"}, "tool_choice")]:
+                        ({"tools": [tool]}, "tool_choice"), ({"tools": [tool], "tool_choice": "auto"}, "tool_choice"),
+                        ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+                         "tool_choice"),
+                        ({"tool_choice": "required"}, "tool_choice"), ({"tools": [{"type": "function"}]}, "tools"),
+                        ({"tools": [tool, tool], "tool_choice": "required"}, "tools"),
+                        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+                            "type": "string", "pattern": "a"}}}], "tool_choice": "required"}, "tools"),
+                        ({"tools": [tool], "tool_choice": "required", "response_format": {"type": "json_object"}},
+                         "tool_choice"),
+                        ({"functions": [{"name": "f"}]}, "functions"),
+                        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]}, "messages")]:
         status, error = post(server + "/v1/chat/completions", {"messages": user, **body})
         assert status == 400 and error["error"]["param"] == param, (body, error)
     status, _ = post(server + "/v1/chat/completions", {"messages": user, "max_tokens": 1, "tools": [tool],
@@ -525,3 +535,88 @@ def test_json_schema_and_choice_hold_the_output(client, offline):
     completion = client.completions.create(model="tiny", prompt="Is it?", max_tokens=10, temperature=1.0, seed=1,
                                            n=5, extra_body={"structured_outputs": {"choice": choices}})
     assert all(c.text in choices and c.finish_reason == "stop" for c in completion.choices)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer"}},
+                                                 "required": ["city", "days"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "$defs": {"zone": {"enum": ["UTC", "CET"]}}, "type": "object",
+    "properties": {"zone": {"$ref": "#/$defs/zone"}}, "required": ["zone"]}}}
+
+
+def _short_numbers(offline) -> dict[str, int]:
+    """A bias that keeps a random model's JSON short: no whitespace, single digits."""
+    from streamserve.engine import structured_output as so
+
+    texts = so.token_texts(offline.get_tokenizer(), 400)
+    return {str(t): -100 for t, text in enumerate(texts) if text and (text.isspace() or text.isdigit())}
+
+
+def _streamed_calls(stream) -> dict[int, list[dict]]:
+    """A stream's tool-call deltas put together, per choice: [{"id", "name", "arguments"}]."""
+    calls: dict[int, list[dict]] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            assert not choice.delta.content
+            for delta in choice.delta.tool_calls or ():
+                mine = calls.setdefault(choice.index, [])
+                if delta.index == len(mine):
+                    mine.append({"id": delta.id, "name": delta.function.name, "arguments": ""})
+                mine[delta.index]["arguments"] += delta.function.arguments or ""
+    return calls
+
+
+def test_a_named_tool_choice_calls_that_function(client, offline):
+    """tool_choice naming a function: one call, its arguments JSON its parameters schema
+    admits, no content; streamed, the same call in pieces (id and name on the first)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    user = [{"role": "user", "content": "Weather in Rome?"}]
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(model="tiny", messages=user, max_tokens=60, temperature=1.0, seed=2, n=3, tools=[WEATHER, TIME],
+                  tool_choice=choice, logit_bias=_short_numbers(offline))
+    reply = client.chat.completions.create(**kwargs)
+    for c in reply.choices:
+        assert c.message.content is None and c.finish_reason == "stop" and len(c.message.tool_calls) == 1
+        call = c.message.tool_calls[0]
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    streamed = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert [[(c["name"], c["arguments"]) for c in streamed[i]] for i in range(3)] == \
+        [[("get_weather", c.message.tool_calls[0].function.arguments)] for c in reply.choices]
+    assert all(streamed[i][0]["id"].startswith("call_") for i in range(3))
+
+
+def test_tool_choice_required_makes_one_or_more_calls(client, offline):
+    """"required": a JSON array of calls, each to one of the tools with arguments its schema
+    admits (a $ref inside a tool's parameters still finds its $defs); streamed, each whole."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    user = [{"role": "user", "content": "Weather and time?"}]
+    kwargs = dict(model="tiny", messages=user, max_tokens=120, temperature=1.0, seed=4, n=4, tools=[WEATHER, TIME],
+                  tool_choice="required", logit_bias=_short_numbers(offline))
+    reply = client.chat.completions.create(**kwargs)
+    names = set()
+    for c in reply.choices:
+        assert c.finish_reason == "stop" and c.message.content is None and c.message.tool_calls
+        for call in c.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            names.add(call.function.name)
+    assert names == set(schemas)  # both tools were called, somewhere
+    streamed = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+    assert [[(c["name"], c["arguments"]) for c in streamed[i]] for i in range(4)] == \
+        [[(t.function.name, t.function.arguments) for t in c.message.tool_calls] for c in reply.choices]
+
+
+def test_a_conversation_with_tool_calls_and_results_is_rendered(server, client):
+    """An assistant message carrying tool_calls (content null) and the tool's reply go to
+    the chat template, the calls' arguments as objects."""
+    messages = [{"role": "user", "content": "Weather in Rome?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Rome", "days": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, tools=[WEATHER],
+                                           tool_choice="none")
+    assert reply.choices[0].message.content is not None and not reply.choices[0].message.tool_calls
