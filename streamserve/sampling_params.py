@@ -37,7 +37,7 @@ class StructuredOutputsParams:
         if sum(given) != 1:
             raise ParamError("structured_outputs takes one of json (a JSON schema), choice (a list of strings) "
                              "or json_object=True", "structured_outputs")
-        if self.json_object not in (False, True):
+        if type(self.json_object) is not bool:
             raise ParamError("json_object must be true or false", "structured_outputs")
         if self.choice is not None and not (isinstance(self.choice, list) and self.choice
                                             and all(isinstance(c, str) and c for c in self.choice)):

@@ -21,10 +21,13 @@ detail, the whitespace run, and the top of the stack down to the most closing br
 token holds), so a step mostly looks up masks it has already built.
 
 What a schema may say: type (one or a list), properties, required, additionalProperties
-(false, or with no properties true or a schema: a map), items, minItems, maxItems, enum,
-const, anyOf, oneOf (as anyOf), allOf of one schema, and $ref within the document
-(recursion included); annotations (title, description, format, default, ...) are read and
-ignored, as JSON Schema's own rules have it for format. An object's properties come in the
+(false, or with no properties true or a schema: a map), items, minItems, maxItems, enum and
+const (with type at most), anyOf, oneOf whose alternatives no value fits two of (_disjoint),
+allOf of one schema, and $ref within the document (recursion included); annotations (title,
+description, format, default, ...) are read and ignored, as JSON Schema's own rules have it
+for format. An anyOf of alternatives that begin alike keeps several states alive; nested
+deep, they would double with each level: at most MAX_STATES are kept (the first ones), so
+what is allowed stays valid, if less than all that is. An object's properties come in the
 order the schema lists them (as OpenAI's and vLLM's strict modes write them), each at most
 once, none that it does not list. Any other keyword (pattern, minLength, minimum, ...) is
 refused rather than ignored: the output would not be held to it.
@@ -47,6 +50,8 @@ MAX_WHITESPACE = 64  # whitespace characters in a row, anywhere outside strings
 MASK_CACHE_SIZE = 1024  # masks kept (bytes each: the vocabulary size)
 SCHEMA_CACHE_SIZE = 64  # compiled schemas kept (by their text): requests alike share nodes and masks
 MAX_SCHEMA_DEPTH = 64  # schemas nested deeper are refused (a $ref cycle is no nesting)
+MAX_ALTERNATIVES = 1024  # properties of an object, values of an enum, strings of a choice, anyOf's schemas
+MAX_STATES = 32  # states alive at once: past it the latest are dropped (what is left stays valid)
 
 
 class SchemaError(ValueError):
@@ -65,7 +70,7 @@ class Node:
     exact `texts`; UNION: `alternatives`."""
 
     __slots__ = ("kind", "keys", "values", "required", "extra", "item", "min_items", "max_items", "texts",
-                 "alternatives", "candidates", "closable", "cap", "by_first")
+                 "alternatives", "next_required", "cap", "by_first")
 
     def __init__(self, kind: int, **fields: Any) -> None:
         self.kind = kind
@@ -79,14 +84,21 @@ class Node:
         self.finish()
 
     def finish(self) -> None:
-        # An object's progress is the index of the first key that may still come: the keys
-        # that may be next from each (up to the first required one), and whether it may close.
-        n = len(self.keys)
-        self.candidates = tuple(tuple(range(p, next((i + 1 for i in range(p, n) if self.required[i]), n)))
-                                for p in range(n + 1))
-        self.closable = tuple(not any(self.required[p:]) for p in range(n + 1))
+        # An object's progress is the index of the first key that may still come; from each,
+        # the first required key (len(keys): none), which bounds the keys that may be next.
+        n, following = len(self.keys), []
+        for i in range(n - 1, -1, -1):
+            following.append(i if self.required[i] else (following[-1] if following else n))
+        self.next_required = tuple(reversed(following)) + (n,)
         # An array's progress is its items so far, counted up to what its bounds can tell apart.
         self.cap = self.max_items if self.max_items is not None else self.min_items
+
+    def candidates(self, progress: int) -> range:
+        """The keys that may come next in an object at `progress`."""
+        return range(progress, min(self.next_required[progress] + 1, len(self.keys)))
+
+    def closable(self, progress: int) -> bool:
+        return self.next_required[progress] == len(self.keys)
 
 
 def _any_value() -> Node:
@@ -108,6 +120,14 @@ _KEYWORDS = _ANNOTATIONS | {"type", "properties", "required", "additionalPropert
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "integer" if float(value).is_integer() else "number"
+    return {str: "string", list: "array", dict: "object", type(None): "null"}[type(value)]
+
+
 def _literal_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
@@ -116,6 +136,32 @@ class _Compiler:
     def __init__(self, document: Any) -> None:
         self.document = document
         self.refs: dict[str, Node] = {}
+        # $ref nodes made before what they refer to was: (the $ref's node, what it is), filled
+        # once the whole schema is compiled
+        self.aliases: list[tuple[Node, Node]] = []
+        self.one_of: list[tuple[str, list[Node]]] = []  # oneOf's alternatives, to check once all are made
+
+    def compile(self) -> Node:
+        root = self.node(self.document, "schema")
+        unfilled = {id(ref) for ref, _ in self.aliases}
+        while self.aliases:
+            ready = [(ref, made) for ref, made in self.aliases if id(made) not in unfilled]
+            if not ready:
+                raise SchemaError("a $ref refers only to itself (through other $refs or anyOfs): no value fits")
+            for ref, made in ready:
+                for name in Node.__slots__:
+                    setattr(ref, name, getattr(made, name))
+                unfilled.discard(id(ref))
+            self.aliases = [pair for pair in self.aliases if id(pair[0]) in unfilled]
+        for where, alternatives in self.one_of:
+            for i, a in enumerate(alternatives):
+                for b in alternatives[i + 1:]:
+                    if not _disjoint(a, b):
+                        raise SchemaError(f"{where}: oneOf whose alternatives a value could match both of is "
+                                          "not supported (the output could match more than one): use anyOf")
+        if not _first_characters(root):
+            raise SchemaError("no value fits the schema")
+        return root
 
     def node(self, schema: Any, where: str, depth: int = 0) -> Node:
         if depth > MAX_SCHEMA_DEPTH:
@@ -143,17 +189,14 @@ class _Compiler:
         for keyword in ("anyOf", "oneOf"):
             if keyword in rules:
                 parts = rules[keyword]
-                if not isinstance(parts, list) or not parts:
-                    raise SchemaError(f"{where}: {keyword} must be a non-empty list of schemas")
-                return _union([self.node(p, f"{where}/{keyword}/{i}", depth + 1) for i, p in enumerate(parts)])
+                if not isinstance(parts, list) or not 0 < len(parts) <= MAX_ALTERNATIVES:
+                    raise SchemaError(f"{where}: {keyword} must be a list of 1 to {MAX_ALTERNATIVES} schemas")
+                nodes = [self.node(p, f"{where}/{keyword}/{i}", depth + 1) for i, p in enumerate(parts)]
+                if keyword == "oneOf":
+                    self.one_of.append((where, nodes))
+                return _union(nodes)
         if "const" in rules or "enum" in rules:
-            values = [rules["const"]] if "const" in rules else rules["enum"]
-            if not isinstance(values, list) or not values:
-                raise SchemaError(f"{where}: enum must be a non-empty list")
-            try:
-                return Node(LITERALS, texts=frozenset(map(_literal_text, values)))
-            except ValueError:
-                raise SchemaError(f"{where}: enum and const values must be finite JSON") from None
+            return self.literals(rules, where)
         kind = rules.get("type")
         if kind is None:
             kind = ("object" if {"properties", "required", "additionalProperties"} & set(rules)
@@ -165,6 +208,29 @@ class _Compiler:
                 raise SchemaError(f"{where}: type must be a type or a non-empty list of distinct types")
             return _union([self.typed(rules, k, where, depth) for k in kind])
         return self.typed(rules, kind, where, depth)
+
+    def literals(self, rules: dict, where: str) -> Node:
+        """enum and/or const: the values both allow, of the type(s) given, if any."""
+        others = sorted(set(rules) - {"enum", "const", "type"})
+        if others:
+            raise SchemaError(f"{where}: enum or const beside {', '.join(others)} is not supported")
+        values = rules.get("enum", [rules.get("const")])
+        if not isinstance(values, list) or not 0 < len(values) <= MAX_ALTERNATIVES:
+            raise SchemaError(f"{where}: enum must be a list of 1 to {MAX_ALTERNATIVES} values")
+        try:
+            texts = dict.fromkeys(map(_literal_text, values))
+            if "const" in rules:
+                texts = dict.fromkeys(t for t in texts if t == _literal_text(rules["const"]))
+        except ValueError:
+            raise SchemaError(f"{where}: enum and const values must be finite JSON") from None
+        kinds = rules.get("type")
+        if kinds is not None:
+            kinds = kinds if isinstance(kinds, list) else [kinds]
+            texts = dict.fromkeys(t for t in texts if _json_type(json.loads(t)) in kinds
+                                  or "number" in kinds and _json_type(json.loads(t)) == "integer")
+        if not texts:
+            raise SchemaError(f"{where}: no value satisfies both the enum / const and the type")
+        return Node(LITERALS, texts=frozenset(texts))
 
     def typed(self, rules: dict, kind: Any, where: str, depth: int) -> Node:
         if kind not in _TYPES:
@@ -187,8 +253,12 @@ class _Compiler:
         missing = sorted(set(required) - set(properties))
         if missing:
             raise SchemaError(f"{where}: required names {', '.join(map(repr, missing))}, which properties does not list")
+        if len(properties) > MAX_ALTERNATIVES:
+            raise SchemaError(f"{where}: more than {MAX_ALTERNATIVES} properties")
+        if not (extra is None or isinstance(extra, (bool, dict))):
+            raise SchemaError(f"{where}: additionalProperties must be true, false or a schema")
         if properties:
-            if extra not in (None, False):
+            if extra is not None and extra is not False:
                 raise SchemaError(f"{where}: additionalProperties beside properties is not supported "
                                   "(leave it out or set it false: only the listed properties are written)")
             names = list(properties)
@@ -196,7 +266,7 @@ class _Compiler:
                         values=tuple(self.node(properties[n], f"{where}/properties/{n}", depth + 1) for n in names))
         if extra is False:
             return Node(OBJECT)  # {} only
-        return Node(OBJECT, extra=ANY if extra in (None, True) else
+        return Node(OBJECT, extra=ANY if extra is None or extra is True else
                     self.node(extra, f"{where}/additionalProperties", depth + 1))
 
     def array(self, rules: dict, where: str, depth: int) -> Node:
@@ -223,15 +293,49 @@ class _Compiler:
                 part = part.replace("~1", "/").replace("~0", "~")
                 if isinstance(target, dict) and part in target:
                     target = target[part]
-                elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                elif isinstance(target, list) and part.isascii() and part.isdigit() and int(part) < len(target):
                     target = target[int(part)]
                 else:
                     raise SchemaError(f"{where}: $ref {ref!r} points at nothing in the schema")
-            node = self.refs[ref] = Node(UNION)  # filled below: a cycle back here finds it
-            made = self.node(target, ref, depth + 1)
-            for name in Node.__slots__:
-                setattr(node, name, getattr(made, name))
+            node = self.refs[ref] = Node(UNION)  # filled by compile(): a cycle back here finds it
+            self.aliases.append((node, self.node(target, ref, depth + 1)))
         return node
+
+
+def _first_characters(node: Node) -> set[str]:
+    """The characters a value of `node` may begin with (none: no value fits it)."""
+    if node.kind == UNION:
+        return set(_by_first(node))
+    return {text[:1] for text in node.texts} if node.kind == LITERALS else set(_FIRST[node.kind])
+
+
+def _disjoint(a: Node, b: Node) -> bool:
+    """Whether no value fits both (False where that is not plain): they begin differently,
+    are literals with no value in common, or objects that both require a key whose literal
+    values differ (a discriminator)."""
+    if not _first_characters(a) & _first_characters(b):
+        return True
+    if a.kind == LITERALS and b.kind == LITERALS:
+        values = [_comparable(json.loads(t)) for t in a.texts]
+        return not any(_comparable(json.loads(t)) in values for t in b.texts)
+    if a.kind == OBJECT and b.kind == OBJECT:
+        for key, value, required in zip(a.keys, a.values, a.required):
+            j = b.keys.index(key) if key in b.keys else -1
+            if required and j >= 0 and b.required[j] and LITERALS == value.kind == b.values[j].kind \
+                    and _disjoint(value, b.values[j]):
+                return True
+    return False
+
+
+def _comparable(value: Any) -> Any:
+    """A JSON value as Python compares it, but with true and false apart from 1 and 0."""
+    if isinstance(value, bool):
+        return ("boolean", value)
+    if isinstance(value, list):
+        return [_comparable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items()}
+    return value
 
 
 def _union(nodes: list[Node]) -> Node:
@@ -245,8 +349,7 @@ def _union(nodes: list[Node]) -> Node:
 
 @functools.lru_cache(maxsize=SCHEMA_CACHE_SIZE)
 def _compiled(text: str) -> Node:
-    document = json.loads(text)
-    return _Compiler(document).node(document, "schema")
+    return _Compiler(json.loads(text)).compile()
 
 
 def compile_schema(schema: Any) -> Node:
@@ -257,6 +360,8 @@ def compile_schema(schema: Any) -> Node:
         text = json.dumps(document, allow_nan=False)  # key order kept: it is the properties' order
     except (TypeError, ValueError) as exc:
         raise SchemaError(f"the schema is not JSON: {exc}") from None
+    except RecursionError:
+        raise SchemaError(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels") from None
     return _compiled(text)
 
 
@@ -287,6 +392,8 @@ def start(node: Node) -> States:
 
 def start_choice(choices: list[str]) -> States:
     """The states before one of `choices`, as plain text."""
+    if len(choices) > MAX_ALTERNATIVES:
+        raise SchemaError(f"more than {MAX_ALTERNATIVES} choices")
     return ((LITERAL, (), frozenset(choices), 0),)
 
 
@@ -410,20 +517,20 @@ def _in_container(mode: int, stack: tuple, aux: Any, ch: str) -> States:
         return ()
     if mode == KEY_TEXT:  # a listed key, its text so far in aux
         text = aux + ch
-        for i in node.candidates[progress]:
+        for i in node.candidates(progress):
             if node.keys[i] == text:
                 return ((COLON, stack[:-1] + ((node, i + 1),), node.values[i], 0),)
-        if any(node.keys[i].startswith(text) for i in node.candidates[progress]):
+        if any(node.keys[i].startswith(text) for i in node.candidates(progress)):
             return ((KEY_TEXT, stack, text, 0),)
         return ()
     if ch == "}" and mode != KEY:
-        return (_after_value(stack[:-1]),) if node.closable[progress] else ()
+        return (_after_value(stack[:-1]),) if node.closable(progress) else ()
     if ch == '"' and mode != AFTER_VALUE:
         if node.extra is not None:
             return ((STRING, stack, KEY_STRING, 0),)
-        return ((KEY_TEXT, stack, '"', 0),) if node.candidates[progress] else ()
+        return ((KEY_TEXT, stack, '"', 0),) if node.candidates(progress) else ()
     if ch == "," and mode == AFTER_VALUE:
-        return ((KEY, stack, None, 0),) if node.extra is not None or node.candidates[progress] else ()
+        return ((KEY, stack, None, 0),) if node.extra is not None or node.candidates(progress) else ()
     return ()
 
 
@@ -474,11 +581,15 @@ def advance(states: Optional[States], text: str) -> Optional[States]:
             return None
         if len(states) == 1:
             states = step(states[0], ch)
+            if len(states) > MAX_STATES:
+                states = states[:MAX_STATES]
         else:
             after: list[State] = []
             for state in states:
                 after += [s for s in step(state, ch) if s not in after]
-            states = tuple(after)
+                if len(after) >= MAX_STATES:  # alike alternatives nested deep: keep the first
+                    break
+            states = tuple(after[:MAX_STATES])
     return states or None
 
 

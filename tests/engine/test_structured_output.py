@@ -222,6 +222,8 @@ SCHEMAS = [
     {"type": "integer"},
     {"type": "object", "properties": {"when": {"type": "string", "format": "date-time", "title": "When"},
                                       "any": {}, "n": {"oneOf": [{"type": "integer"}, {"type": "null"}]}}},
+    {"type": ["string", "integer"], "enum": ["a", 1.5, 2.0, True]},
+    {"enum": [3, 4], "const": 3},
 ]
 
 
@@ -284,6 +286,8 @@ def test_what_a_schema_lets_through_is_valid_under_it(index):
     (5, '12', True), (5, '1', True), (5, '"x"', True), (5, 'null', True), (5, '2', False),
     (6, '-42', True), (6, '4.2', False), (6, '04', False),
     (7, '{}', True), (7, '{"when": "2026-11-30", "any": [{"k": null}], "n": 5}', True),
+    (8, '"a"', True), (8, '2.0', True), (8, '1', False), (8, '"b"', False),  # the type filters the enum
+    (9, '3', True), (9, '4', False),  # const within the enum
 ])
 def test_a_schema_admits_its_values_in_order(index, text, ok):
     start = so.start(so.compile_schema(SCHEMAS[index]))
@@ -300,7 +304,20 @@ def test_a_schema_admits_its_values_in_order(index, text, ok):
     ({"type": "array", "items": [{}, {}]}, "tuples"),
     ({"type": "array", "minItems": 3, "maxItems": 2}, "no array fits"),
     ({"type": "thing"}, "unknown type"),
-    ({"enum": []}, "non-empty"),
+    ({"enum": []}, "a list of 1 to"), ({"enum": ["a"], "type": "integer"}, "no value satisfies"),
+    ({"enum": list(range(2000))}, "a list of 1 to"),
+    ({"type": "object", "properties": {f"p{i}": {} for i in range(20000)}}, "more than 1024 properties"),
+    ({"type": "object", "properties": {"a": {}}, "const": {"a": 1}}, "const beside properties"),
+    ({"$ref": "#"}, "refers only to itself"), ({"anyOf": [{"$ref": "#"}]}, "refers only to itself"),
+    ({"$defs": {"a": {"anyOf": [{"$ref": "#/$defs/b"}]}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+     "refers only to itself"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "use anyOf"),
+    ({"oneOf": [{"type": "string"}, {}]}, "use anyOf"),
+    ({"oneOf": [{"type": "object", "properties": {"a": {}}}, {"type": "object", "properties": {"b": {}}}]}, "use anyOf"),
+    ({"oneOf": [{"enum": [1, 2]}, {"const": 1.0}]}, "use anyOf"),
+    ({"$defs": {"a": [{"type": "string"}]}, "$ref": "#/$defs/a/\u00b2"}, "points at nothing"),
+    ({"type": "object", "additionalProperties": 0}, "true, false or a schema"),
+    ("[" * 100000, "nests deeper"),
     ({"allOf": [{"type": "string"}, {"type": "null"}]}, "one schema only"),
     ({"$ref": "#", "type": "string"}, "beside other keywords"),
     ("{not json", "not JSON"),
@@ -368,3 +385,44 @@ def test_schema_and_choice_outputs_through_the_engine(llama_dir):
                             structured_outputs=StructuredOutputsParams(choice=choices))
     outs = llm.generate("hello", params, use_tqdm=False)[0].outputs
     assert all(o.text in choices and o.finish_reason == "stop" for o in outs), [o.text for o in outs]
+
+
+def test_deep_nesting_of_schemas_is_refused_not_a_crash():
+    deep: dict = {}
+    for _ in range(2000):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(ParamError, match="nests deeper"):
+        StructuredOutputsParams(json=deep)
+    with pytest.raises(ParamError, match="true or false"):
+        StructuredOutputsParams(json_object=0)
+
+
+@pytest.mark.parametrize("schema, text", [
+    ({"oneOf": [{"type": "integer"}, {"type": "null"}]}, "null"),
+    ({"oneOf": [{"type": "object", "properties": {"kind": {"const": "a"}, "x": {"type": "integer"}},
+                 "required": ["kind"]},
+                {"type": "object", "properties": {"kind": {"const": "b"}}, "required": ["kind"]}]}, '{"kind": "b"}'),
+    ({"$defs": {"r": {"type": "array", "items": {"$ref": "#"}}}, "$ref": "#/$defs/r"}, "[[], [[]]]"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"type": "array", "items": {"$ref": "#/$defs/a"}}},
+      "$ref": "#/$defs/a"}, "[[[]]]"),
+])
+def test_disjoint_one_ofs_and_chains_of_refs_compile(schema, text):
+    """oneOf whose alternatives cannot both fit (they begin differently, or a required const
+    tells them apart); a $ref to a $ref still being compiled is what it refers to."""
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(json.loads(text), schema)
+    assert complete(text, so.start(so.compile_schema(schema)))
+
+
+def test_alike_alternatives_nested_deep_keep_a_bounded_number_of_states(vocabulary):
+    """Two alternatives that begin alike, recursing: the states alive would double with each
+    level; they stay at MAX_STATES, and what is left still reads only valid output."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"anyOf": [{"type": "array", "items": {"$ref": "#"}}, {"type": "array", "items": {"$ref": "#"}}]}
+    start = so.start(so.compile_schema(schema))
+    states = so.advance(start, "[" * 20)
+    assert 1 < len(states) <= so.MAX_STATES
+    assert vocabulary.allowed(states, 2, frozenset()).any()
+    text = "[" * 20 + "]" * 20
+    assert complete(text, start)
+    jsonschema.validate(json.loads(text), schema)
