@@ -54,7 +54,10 @@ async def one_request(session, url: str, model: str, prompt: list[int], max_toke
 
 
 async def run(args, requests) -> dict:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    # a connection per request: a server may close a kept-alive one as the next request goes
+    # out on it (llama-server closes them after a few requests), and that request would be lost
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                     connector=aiohttp.TCPConnector(force_close=True)) as session:
         async with session.get(args.url + "/v1/models") as r:
             model = (await r.json())["data"][0]["id"]
         sem = asyncio.Semaphore(args.concurrency or len(requests))
