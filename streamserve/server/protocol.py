@@ -84,11 +84,21 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
         raise bad_request(str(exc), exc.param) from None
 
 
+# vLLM's earlier names for structured_outputs' fields (regex and grammar are refused there)
+_GUIDED = {"guided_json": "json", "guided_choice": "choice", "guided_regex": "regex", "guided_grammar": "grammar"}
+
+
 def structured_outputs(body: dict[str, Any]) -> Optional[StructuredOutputsParams]:
     """What the output is held to: OpenAI's response_format ({"type": "text"}, "json_object"
     or "json_schema" with {"json_schema": {"name", "schema"}}) or vLLM's structured_outputs
-    ({"json": schema}, {"choice": [...]} or {"json_object": true}); None: free text."""
+    ({"json": schema}, {"choice": [...]} or {"json_object": true}; or its earlier guided_json /
+    guided_choice); None: free text."""
     fmt, extra = body.get("response_format"), body.get("structured_outputs")
+    legacy = [key for key in _GUIDED if body.get(key) is not None]  # older vLLM's guided_* fields
+    if legacy:
+        if extra is not None or len(legacy) > 1:
+            raise bad_request(f"give one of 'structured_outputs', {', '.join(map(repr, _GUIDED))}", legacy[0])
+        extra = {_GUIDED[legacy[0]]: body[legacy[0]]}
     if fmt is not None and extra is not None:
         raise bad_request("give 'response_format' or 'structured_outputs', not both", "structured_outputs")
     if extra is not None:

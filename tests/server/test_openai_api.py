@@ -438,6 +438,8 @@ def test_more_bad_requests_are_400_with_the_field_named(server):
                         ({"structured_outputs": {"choice": []}}, "structured_outputs"),
                         ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "text"}},
                          "structured_outputs"),
+                        ({"guided_regex": "a+"}, "structured_outputs"),
+                        ({"guided_json": {}, "guided_choice": ["a"]}, "guided_json"),
                         ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
                         ({"tools": [tool]}, "tool_choice"), ({"tools": [tool], "tool_choice": "auto"}, "tool_choice"),
                         ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "g"}}},
@@ -532,9 +534,10 @@ def test_json_schema_and_choice_hold_the_output(client, offline):
             streamed[choice.index] += choice.delta.content or ""
     assert streamed == [c.message.content for c in reply.choices]
     choices = ["yes", "no", "maybe"]
-    completion = client.completions.create(model="tiny", prompt="Is it?", max_tokens=10, temperature=1.0, seed=1,
-                                           n=5, extra_body={"structured_outputs": {"choice": choices}})
-    assert all(c.text in choices and c.finish_reason == "stop" for c in completion.choices)
+    for extra in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
+        completion = client.completions.create(model="tiny", prompt="Is it?", max_tokens=10, temperature=1.0,
+                                               seed=1, n=5, extra_body=extra)
+        assert all(c.text in choices and c.finish_reason == "stop" for c in completion.choices)
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
