@@ -51,7 +51,7 @@ MASK_CACHE_SIZE = 1024  # masks kept (bytes each: the vocabulary size)
 SCHEMA_CACHE_SIZE = 64  # compiled schemas kept (by their text): requests alike share nodes and masks
 MAX_SCHEMA_DEPTH = 64  # schemas nested deeper are refused (a $ref cycle is no nesting)
 MAX_ALTERNATIVES = 1024  # properties of an object, values of an enum, strings of a choice, anyOf's schemas
-MAX_STATES = 32  # states alive at once: past it the latest are dropped (what is left stays valid)
+MAX_STATES = 64  # states alive at once: past it the latest are dropped (what is left stays valid)
 
 
 class SchemaError(ValueError):

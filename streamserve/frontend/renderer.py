@@ -61,6 +61,8 @@ class Renderer:
             raise ValueError(f"the chat template refused these messages: {exc}") from None
         except TypeError as exc:  # a chat_template_kwargs value of a kind the template cannot use
             raise ValueError(f"the chat template failed on these messages and settings: {exc}") from None
+        except RecursionError:
+            raise ValueError("the messages or tools nest too deep for the chat template") from None
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True,
                     chat_template_kwargs: Optional[dict] = None, continue_final_message: bool = False,
@@ -84,7 +86,7 @@ def _for_template(message: Message) -> Message:
         if isinstance(arguments, str):
             try:
                 parsed = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):
                 parsed = None
             if isinstance(parsed, dict):
                 call = {**call, "function": {**function, "arguments": parsed}}

@@ -392,6 +392,13 @@ class _Call:
         reader.feed(text)
         return {"role": "assistant", "content": None, "tool_calls": reader.calls}
 
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        """A choice's finish reason: "tool_calls" where tool_choice "required" ended its calls
+        (as vLLM and OpenAI say it); a named call's stays "stop", as in vLLM."""
+        if reason == "stop" and self.tool_calling is not None and self.tool_calling.name is None:
+            return "tool_calls"
+        return reason
+
     def chunk(self, choices: list[dict[str, Any]], usage: Optional[dict] = None) -> dict[str, Any]:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": choices}
@@ -469,7 +476,7 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
                     logprobs[s.index] += s.logprobs
     if call.chat:
         choices = [{"index": i, "message": call.message(texts[i]),
-                    "logprobs": call.logprobs(logprobs[i], 0), "finish_reason": finish[i]}
+                    "logprobs": call.logprobs(logprobs[i], 0), "finish_reason": call.finish_reason(finish[i])}
                    for i in range(n)]
         kind = "chat.completion"
     else:
@@ -592,7 +599,7 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
             if not s.text and s.finish_reason is None and not s.logprobs:
                 continue
             choice = {"index": s.index, "logprobs": call.logprobs(s.logprobs, text_offsets[s.index]),
-                      "finish_reason": s.finish_reason}
+                      "finish_reason": call.finish_reason(s.finish_reason)}
             text_offsets[s.index] += sum(len(next(iter(e.values())).decoded_token or "")
                                          for e in s.logprobs or ())
             if readers is not None:

@@ -243,6 +243,21 @@ def chat_options(body: dict[str, Any]) -> ChatOptions:
     return ChatOptions(not go_on if add is None else add, go_on, kwargs)
 
 
+def nesting_depth(value: Any, limit: int) -> int:
+    """How deep lists and objects nest in `value` (1: a flat one), counted up to `limit`."""
+    depth, level = 0, [value]
+    while depth < limit:
+        containers = [item for item in level if isinstance(item, (list, dict))]
+        if not containers:
+            break
+        depth += 1
+        level = [v for c in containers for v in (c.values() if isinstance(c, dict) else c)]
+    return depth
+
+
+MAX_TOOL_CALL_DEPTH = 64
+
+
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -268,6 +283,8 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                     raise bad_request(f"messages[{i}].{key} must be a {'list' if kind is list else 'string'}",
                                       "messages")
                 message[key] = m[key]
+        if nesting_depth(message.get("tool_calls"), MAX_TOOL_CALL_DEPTH + 1) > MAX_TOOL_CALL_DEPTH:
+            raise bad_request(f"messages[{i}].tool_calls nest deeper than {MAX_TOOL_CALL_DEPTH} levels", "messages")
         for call in message.get("tool_calls", ()):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):

@@ -4,8 +4,9 @@ A chat's tools go to the chat template (as `tools`). With tool_choice "none" the
 text. With a named function ({"type": "function", "function": {"name": ...}}) the output is
 held to that function's parameters schema (engine/structured_output.py) and becomes one
 call, its text the call's arguments; with "required", to a JSON array of one or more
-{"name": ..., "parameters": {...}} objects, each becoming a call. The message then has
-`tool_calls` and no content; the finish reason stays the output's, as in vLLM. "auto" needs a
+{"name": ..., "parameters": {...}} objects, each becoming a call (its arguments the text the
+model wrote for them). The message then has `tool_calls` and no content; the finish reason
+is "tool_calls" once "required"'s calls end, a named call's stays "stop", as in vLLM. "auto" needs a
 parser of each model family's own tool-call format, which this server does not have: it is
 refused, as vLLM refuses it without --enable-auto-tool-choice.
 
@@ -21,11 +22,17 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from streamserve.engine.structured_output import MAX_SCHEMA_DEPTH, MAX_STATES
 from streamserve.sampling_params import ParamError, StructuredOutputsParams
-from streamserve.server.protocol import bad_request
+from streamserve.server.protocol import bad_request, nesting_depth
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 NO_PARAMETERS = {"type": "object", "additionalProperties": False}  # a function that takes none: {}
+# "required" reads as many alternatives at once as it has tools (all begin with "{"); the
+# recognizer keeps at most MAX_STATES states, so more tools than that could not all be called
+MAX_REQUIRED_TOOLS = MAX_STATES
+# JSON levels of a tools list: a schema level takes two (properties, then the property's schema)
+MAX_TOOLS_DEPTH = 2 * MAX_SCHEMA_DEPTH + 4
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,8 @@ def tools_for_template(body: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
         return None
     if not isinstance(tools, list) or not tools:
         raise bad_request("'tools' must be a non-empty list of functions", "tools")
+    if nesting_depth(tools, MAX_TOOLS_DEPTH + 1) > MAX_TOOLS_DEPTH:
+        raise bad_request(f"'tools' nests deeper than {MAX_TOOLS_DEPTH} levels", "tools")
     names = set()
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
@@ -51,7 +60,7 @@ def tools_for_template(body: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
                 or not _NAME.fullmatch(function["name"]):
             raise bad_request(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} with "
                               "a name of 1-64 letters, digits, '_' or '-'", "tools")
-        if not isinstance(function.get("parameters", {}), dict):
+        if not isinstance(function.get("parameters") or {}, dict):
             raise bad_request(f"tools[{i}].function.parameters must be a JSON schema (an object)", "tools")
         if function["name"] in names:
             raise bad_request(f"tools[{i}]: two tools are named {function['name']!r}", "tools")
@@ -73,15 +82,18 @@ def tool_calling(body: dict[str, Any]) -> Optional[ToolCalling]:
     if choice == "auto":
         raise bad_request("tool_choice 'auto' needs a parser of the model's own tool-call format, which this "
                           "server does not have: give 'required', a named function or 'none'", "tool_choice")
-    functions = {tool["function"]["name"]: tool["function"].get("parameters") or NO_PARAMETERS for tool in tools}
+    functions = {tool["function"]["name"]: _parameters(tool["function"]) for tool in tools}
     if choice == "required":
+        if len(functions) > MAX_REQUIRED_TOOLS:
+            raise bad_request(f"tool_choice 'required' takes at most {MAX_REQUIRED_TOOLS} tools (a named function "
+                              "any number)", "tools")
         alternatives = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _moved(params, i)},
                          "required": ["name", "parameters"]} for i, (name, params) in enumerate(functions.items())]
         schema, name = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}, None
     else:
         function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
-        if name not in functions:
+        if not isinstance(name, str) or name not in functions:
             raise bad_request("'tool_choice' must be 'none', 'required', or {\"type\": \"function\", \"function\": "
                               "{\"name\": ...}} naming one of the tools", "tool_choice")
         schema = functions[name]
@@ -91,15 +103,38 @@ def tool_calling(body: dict[str, Any]) -> Optional[ToolCalling]:
         raise bad_request(f"a tool's parameters: {exc}", "tools") from None
 
 
+def _parameters(function: dict[str, Any]) -> Any:
+    """A function's parameters schema: none given (or null) is no parameters, {} any object."""
+    parameters = function.get("parameters")
+    if parameters is None:
+        return NO_PARAMETERS
+    return parameters or {"type": "object"}
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions")  # keywords whose values map names to schemas
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf")
+_SCHEMAS = ("items", "additionalProperties")
+
+
 def _moved(schema: Any, i: int) -> Any:
-    """A tool's parameters schema, its $refs (#/...) pointing where it sits in "required"'s schema."""
-    if isinstance(schema, list):
-        return [_moved(s, i) for s in schema]
+    """A tool's parameters schema, its $refs (#/...) pointing where it sits in "required"'s
+    schema: only where schemas are (values, as in const, enum or default, stay as given)."""
     if not isinstance(schema, dict):
         return schema
-    return {key: f"#/items/anyOf/{i}/properties/parameters{value[1:]}"
-            if key == "$ref" and isinstance(value, str) and value.startswith("#") else _moved(value, i)
-            for key, value in schema.items()}
+    moved = dict(schema)
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        moved["$ref"] = f"#/items/anyOf/{i}/properties/parameters{ref[1:]}"
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            moved[key] = {name: _moved(s, i) for name, s in schema[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            moved[key] = [_moved(s, i) for s in schema[key]]
+    for key in _SCHEMAS:
+        if key in schema:
+            moved[key] = _moved(schema[key], i)
+    return moved
 
 
 @dataclass
@@ -128,10 +163,15 @@ class ToolCallReader:
             at = len(self.text) - len(self.text[self._read:].lstrip(" \t\n\r[,"))
             try:
                 element, end = decoder.raw_decode(self.text, at)
-            except ValueError:
+                # the arguments as the model wrote them (re-encoding could change them: a lone
+                # surrogate escape or 1e999 does not survive json.loads and json.dumps)
+                start = self.text.index('"parameters"', at) + len('"parameters"')
+                start = len(self.text) - len(self.text[start:].lstrip(" \t\n\r:"))
+                _, stop = decoder.raw_decode(self.text, start)
+            except (ValueError, RecursionError):
                 return deltas
             self._read = end
-            call = _call(element["name"], json.dumps(element["parameters"], ensure_ascii=False))
+            call = _call(element["name"], self.text[start:stop])
             self.calls.append(call)
             deltas.append(dict(call, index=len(self.calls) - 1))
 

@@ -427,6 +427,9 @@ def test_more_bad_requests_are_400_with_the_field_named(server):
         assert status == 400 and error["error"]["param"] == param, (body, error)
     user = [{"role": "user", "content": "x"}]
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    deep: dict = {}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}}
     for body, param in [({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
                         ({"messages": [{"role": "user", "content": "x " * 5000}]}, "messages"),
                         ({"logit_bias": {"1000000": -1}}, "logit_bias"),
@@ -451,6 +454,13 @@ def test_more_bad_requests_are_400_with_the_field_named(server):
                         ({"tools": [tool], "tool_choice": "required", "response_format": {"type": "json_object"}},
                          "tool_choice"),
                         ({"functions": [{"name": "f"}]}, "functions"),
+                        ({"tools": [tool], "tool_choice": {"type": "function", "function": {"name": ["f"]}}},
+                         "tool_choice"),
+                        ({"tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(65)],
+                          "tool_choice": "required"}, "tools"),
+                        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": deep}}]}, "tools"),
+                        ({"messages": [{"role": "assistant", "tool_calls": [
+                            {"function": {"name": "f", "arguments": deep}}]}]}, "messages"),
                         ({"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]}, "messages")]:
         status, error = post(server + "/v1/chat/completions", {"messages": user, **body})
         assert status == 400 and error["error"]["param"] == param, (body, error)
@@ -602,7 +612,7 @@ def test_tool_choice_required_makes_one_or_more_calls(client, offline):
     reply = client.chat.completions.create(**kwargs)
     names = set()
     for c in reply.choices:
-        assert c.finish_reason == "stop" and c.message.content is None and c.message.tool_calls
+        assert c.finish_reason == "tool_calls" and c.message.content is None and c.message.tool_calls
         for call in c.message.tool_calls:
             jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
             names.add(call.function.name)
@@ -623,3 +633,27 @@ def test_a_conversation_with_tool_calls_and_results_is_rendered(server, client):
     reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, tools=[WEATHER],
                                            tool_choice="none")
     assert reply.choices[0].message.content is not None and not reply.choices[0].message.tool_calls
+
+
+def test_tool_call_arguments_are_the_text_the_model_wrote(server):
+    """"required"'s arguments are the model's own text of them, not re-encoded (a lone
+    surrogate escape or 1e999 would not survive json.loads and json.dumps); a deep JSON
+    argument string in an earlier message is passed on as text, not a 500."""
+    from streamserve.engine import structured_output as so
+    from streamserve.server.tools import ToolCallReader, tool_calling
+
+    body = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string"}, "x": {"type": "number"},
+                                         "c": {"const": {"$ref": "#/keep"}}}}}}], "tool_choice": "required"}
+    calling = tool_calling(body)
+    text = '[{"name": "f", "parameters": {"s": "\\udddd]", "x": 1e999, "c": {"$ref":"#/keep"}}},{"name":"f","parameters":{}}]'
+    assert so.is_complete(so.advance(so.start_states(calling.structured), text))  # what the decoder may write
+    reader = ToolCallReader(calling)
+    for i in range(0, len(text), 3):  # fed in pieces, as a stream comes
+        reader.feed(text[i:i + 3])
+    assert [c["function"]["arguments"] for c in reader.calls] == [
+        '{"s": "\\udddd]", "x": 1e999, "c": {"$ref":"#/keep"}}', "{}"]
+    status, _ = post(server + "/v1/chat/completions", {
+        "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100000}}]}],
+        "max_tokens": 1})
+    assert status == 200
