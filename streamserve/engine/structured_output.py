@@ -632,7 +632,11 @@ class Vocabulary:
         no token spells) the ends are, so that the request stops rather than go on astray."""
         masks = [self._mask(state) for state in states]
         mask = masks[0] if len(masks) == 1 else np.logical_or.reduce(masks)
-        if any(map(accepting, states)) or not mask.any():
+        whole = any(map(accepting, states))
+        if whole or not mask.any():
+            if not whole:
+                logger.warning("structured output: no token can go on from the output so far (a character no "
+                               "token spells?): ending the request")
             mask = mask.copy()
             ends = [*stop_token_ids, *(() if eos_token_id is None else (eos_token_id,))]
             mask[[t for t in ends if 0 <= t < self.vocab_size]] = True

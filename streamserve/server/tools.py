@@ -3,7 +3,7 @@
 A chat's tools go to the chat template (as `tools`). With tool_choice "none" the reply is
 text. With a named function ({"type": "function", "function": {"name": ...}}) the output is
 held to that function's parameters schema (engine/structured_output.py) and becomes one
-call, its text the call's arguments; with "required", to a JSON array of one or more
+call, its text the call's arguments; with "required", to a JSON array of one or more (one with parallel_tool_calls false)
 {"name": ..., "parameters": {...}} objects, each becoming a call (its arguments the text the
 model wrote for them). The message then has `tool_calls` and no content; the finish reason
 is "tool_calls" once "required"'s calls end, a named call's stays "stop", as in vLLM. "auto" needs a
@@ -90,6 +90,8 @@ def tool_calling(body: dict[str, Any]) -> Optional[ToolCalling]:
         alternatives = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _moved(params, i)},
                          "required": ["name", "parameters"]} for i, (name, params) in enumerate(functions.items())]
         schema, name = {"type": "array", "minItems": 1, "items": {"anyOf": alternatives}}, None
+        if body.get("parallel_tool_calls") is False:
+            schema["maxItems"] = 1
     else:
         function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None

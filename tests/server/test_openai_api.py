@@ -657,3 +657,16 @@ def test_tool_call_arguments_are_the_text_the_model_wrote(server):
         "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 100000}}]}],
         "max_tokens": 1})
     assert status == 200
+
+
+def test_parallel_tool_calls_false_makes_one_call():
+    from streamserve.engine import structured_output as so
+    from streamserve.server.tools import tool_calling
+
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for parallel, two_ok in ((None, True), (False, False)):
+        body = {"tools": tools, "tool_choice": "required", "parallel_tool_calls": parallel}
+        start = so.start_states(tool_calling(body).structured)
+        assert so.is_complete(so.advance(start, '[{"name": "f", "parameters": {}}]'))
+        assert so.is_complete(so.advance(start, '[{"name": "f", "parameters": {}}, {"name": "f", "parameters": {}}]')) \
+            == two_ok
