@@ -12,6 +12,7 @@ the waiting queue, to be recomputed (through the prefix cache where it can).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from typing import Callable, Optional
@@ -32,6 +33,7 @@ class Scheduler:
         # structured output's token texts and masks, built when a first request asks for them
         self.make_vocabulary = vocabulary
         self._vocabulary: Optional[Vocabulary] = None
+        self._vocabulary_lock = threading.Lock()  # the server builds it ahead, on a thread of its own
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = config.model.max_model_len
@@ -149,7 +151,9 @@ class Scheduler:
         if self._vocabulary is None:
             if self.make_vocabulary is None:
                 raise ValueError("structured output needs the tokenizer: this scheduler was built without one")
-            self._vocabulary = self.make_vocabulary()
+            with self._vocabulary_lock:
+                if self._vocabulary is None:
+                    self._vocabulary = self.make_vocabulary()
         return self._vocabulary
 
     def _allowed_token_masks(self, num_scheduled: dict[str, int]) -> dict[str, np.ndarray]:

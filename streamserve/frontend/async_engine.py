@@ -159,6 +159,9 @@ class AsyncEngine:
         self.engine_core = core
         self.input_processor = InputProcessor(self.config, self.renderer, core.vocab_size)
         self._signal_ready()
+        # Structured output's token texts (~1 s on a 49k vocabulary), read ahead while the server
+        # idles, so that the first structured request does not stall every stream's step.
+        threading.Thread(target=_read_ahead, args=(core,), name="streamserve-vocabulary", daemon=True).start()
         while not self._stopping:
             refused = self._drain_inbox(core)
             if not core.has_unfinished_requests():
@@ -217,3 +220,10 @@ class AsyncEngine:
                 queue = self._queues.get(parent_id)
                 if queue is not None:
                     queue.put_nowait(exc)
+
+
+def _read_ahead(core: EngineCore) -> None:
+    try:
+        core.scheduler.vocabulary()
+    except Exception:  # the first structured request will try again, and say what failed
+        logger.warning("could not read structured output's token texts ahead", exc_info=True)

@@ -270,3 +270,21 @@ def test_shutdown_does_not_wait_for_a_model_still_loading(llama_dir):
         release.set()
 
     asyncio.run(main())
+
+
+def test_structured_outputs_token_texts_are_read_ahead(llama_dir):
+    """The server reads structured output's token texts on a thread of its own once the model
+    is ready, not in the first structured request's step."""
+    async def main():
+        engine = make_engine(llama_dir)
+        engine.start()
+        await engine.wait_ready()
+        for _ in range(200):
+            if engine.engine_core.scheduler._vocabulary is not None:
+                break
+            await asyncio.sleep(0.05)
+        built = engine.engine_core.scheduler._vocabulary
+        await engine.shutdown()
+        return built
+
+    assert asyncio.run(main()) is not None
