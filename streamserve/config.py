@@ -234,8 +234,14 @@ class ServerConfig:
         "help": "comma-separated origins (scheme://host[:port]) whose web pages may open the "
                 "/v1/ws websocket besides the server's own, or '*' for any (default: its own only; "
                 "clients that send no Origin, i.e. not browsers, are always let in)"})
+    tool_call_parser: Optional[str] = field(default=None, metadata={
+        "help": "read tool calls out of the model's replies in this format, which lets chats take "
+                "tool_choice 'auto' (the default with tools): 'hermes' (<tool_call>{\"name\": ..., "
+                "\"arguments\": ...}</tool_call>, as Qwen2.5 and Hermes models write them)"})
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in (None, "hermes"):
+            raise ValueError(f"tool_call_parser ({self.tool_call_parser!r}) must be 'hermes' or left out")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port ({self.port}) must be in [0, 65535]")
         if self.max_n < 1:

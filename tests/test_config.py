@@ -86,7 +86,7 @@ def test_every_field_is_a_keyword_of_one_part():
             "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens", "device", "kernel_backend",
             "enforce_eager", "load_format",
             "host", "port", "served_model_name", "api_key", "max_n", "max_choices", "max_request_bytes",
-            "sse_keepalive_seconds", "allowed_origins"} == set(names)
+            "sse_keepalive_seconds", "allowed_origins", "tool_call_parser"} == set(names)
     # The values read from the checkpoint are not settings.
     assert "hf_config" not in names and "torch_dtype" not in names
 

@@ -315,8 +315,8 @@ class _Call:
                                                default_max_tokens=None if chat else 16,
                                                logprobs=protocol.logprobs_setting(body, chat))
         # tool_choice "required" or a named function: the output is held to the calls' schema
-        self.tool_calling = tool_calling(body) if chat else None
-        if self.tool_calling is not None:
+        self.tool_calling = tool_calling(body, serving.server.tool_call_parser) if chat else None
+        if self.tool_calling is not None and self.tool_calling.structured is not None:
             if self.params.structured_outputs is not None:
                 raise bad_request("a tool call is JSON of its own: give 'tool_choice' or 'response_format' / "
                                   "'structured_outputs', not both", "tool_choice")
@@ -390,12 +390,14 @@ class _Call:
             return {"role": "assistant", "content": text}
         reader = ToolCallReader(self.tool_calling)
         reader.feed(text)
-        return {"role": "assistant", "content": None, "tool_calls": reader.calls}
+        reader.close()
+        return reader.message()
 
-    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
-        """A choice's finish reason: "tool_calls" where tool_choice "required" ended its calls
-        (as vLLM and OpenAI say it); a named call's stays "stop", as in vLLM."""
-        if reason == "stop" and self.tool_calling is not None and self.tool_calling.name is None:
+    def finish_reason(self, reason: Optional[str], calls: bool = True) -> Optional[str]:
+        """A choice's finish reason: "tool_calls" where tool_choice "required" ended its calls,
+        or "auto" made some (`calls`), as vLLM and OpenAI say it; a named call's stays "stop",
+        as in vLLM."""
+        if reason == "stop" and self.tool_calling is not None and self.tool_calling.name is None and calls:
             return "tool_calls"
         return reason
 
@@ -475,8 +477,9 @@ async def _serve(request: web.Request, call: _Call) -> web.StreamResponse:
                 if s.logprobs is not None:
                     logprobs[s.index] += s.logprobs
     if call.chat:
-        choices = [{"index": i, "message": call.message(texts[i]),
-                    "logprobs": call.logprobs(logprobs[i], 0), "finish_reason": call.finish_reason(finish[i])}
+        messages = [call.message(text) for text in texts]
+        choices = [{"index": i, "message": messages[i], "logprobs": call.logprobs(logprobs[i], 0),
+                    "finish_reason": call.finish_reason(finish[i], bool(messages[i].get("tool_calls")))}
                    for i in range(n)]
         kind = "chat.completion"
     else:
@@ -599,12 +602,17 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
             if not s.text and s.finish_reason is None and not s.logprobs:
                 continue
             choice = {"index": s.index, "logprobs": call.logprobs(s.logprobs, text_offsets[s.index]),
-                      "finish_reason": call.finish_reason(s.finish_reason)}
+                      "finish_reason": s.finish_reason}
             text_offsets[s.index] += sum(len(next(iter(e.values())).decoded_token or "")
                                          for e in s.logprobs or ())
             if readers is not None:
-                calls = readers[s.index].feed(s.text)
-                choice["delta"] = {"tool_calls": calls} if calls else {}
+                reader = readers[s.index]
+                choice["delta"] = reader.feed(s.text)
+                if s.finish_reason is not None:  # what the reader held back, then the reason
+                    rest = reader.close()
+                    if "content" in rest:
+                        choice["delta"]["content"] = choice["delta"].get("content", "") + rest["content"]
+                    choice["finish_reason"] = call.finish_reason(s.finish_reason, bool(reader.calls))
             elif call.chat:
                 choice["delta"] = {"content": s.text} if s.text else {}
             else:

@@ -6,12 +6,16 @@ held to that function's parameters schema (engine/structured_output.py) and beco
 call, its text the call's arguments; with "required", to a JSON array of one or more (one with parallel_tool_calls false)
 {"name": ..., "parameters": {...}} objects, each becoming a call (its arguments the text the
 model wrote for them). The message then has `tool_calls` and no content; the finish reason
-is "tool_calls" once "required"'s calls end, a named call's stays "stop", as in vLLM. "auto" needs a
-parser of each model family's own tool-call format, which this server does not have: it is
-refused, as vLLM refuses it without --enable-auto-tool-choice.
+is "tool_calls" once "required"'s calls end, a named call's stays "stop", as in vLLM. "auto"
+needs a parser of the model family's own tool-call format: with --tool-call-parser hermes the
+reply is free text in which <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks are
+calls (as Qwen2.5 and Hermes models write them); without one it is refused, as vLLM refuses it
+without --enable-auto-tool-choice.
 
 Streamed, a named call's arguments go out as the text comes, the call's id, type and name on
-its first delta; with "required" each call goes out whole as soon as its object closes.
+its first delta; with "required" each call goes out whole as soon as its object closes, with
+"auto" as soon as its block closes (the text around it as content; whitespace between calls,
+and what could begin a tag, held back until it is plain which it is).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from streamserve.engine.structured_output import MAX_SCHEMA_DEPTH, MAX_STATES
@@ -37,11 +41,13 @@ MAX_TOOLS_DEPTH = 2 * MAX_SCHEMA_DEPTH + 4
 
 @dataclass(frozen=True)
 class ToolCalling:
-    """How a reply becomes tool calls: the named function's `name`, or None for "required";
-    `structured`: what the output is held to."""
+    """How a reply becomes tool calls: the named function's `name`, or None for "required" or
+    "auto"; `structured`: what the output is held to (None: "auto", free text in which
+    `parser` finds the calls)."""
 
     name: Optional[str]
-    structured: StructuredOutputsParams
+    structured: Optional[StructuredOutputsParams]
+    parser: Optional[str] = None
 
 
 def tools_for_template(body: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
@@ -68,8 +74,9 @@ def tools_for_template(body: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
     return tools
 
 
-def tool_calling(body: dict[str, Any]) -> Optional[ToolCalling]:
-    """What tool_choice asks of the reply (None: text)."""
+def tool_calling(body: dict[str, Any], parser: Optional[str] = None) -> Optional[ToolCalling]:
+    """What tool_choice asks of the reply (None: text). `parser`: the server's tool-call format
+    ("hermes"), without which "auto" cannot be."""
     if body.get("functions") or body.get("function_call") not in (None, "none"):
         raise bad_request("the deprecated 'functions' and 'function_call' are not supported: give 'tools' and "
                           "'tool_choice'", "functions")
@@ -80,8 +87,11 @@ def tool_calling(body: dict[str, Any]) -> Optional[ToolCalling]:
     if tools is None:
         raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
     if choice == "auto":
-        raise bad_request("tool_choice 'auto' needs a parser of the model's own tool-call format, which this "
-                          "server does not have: give 'required', a named function or 'none'", "tool_choice")
+        if parser is None:
+            raise bad_request("tool_choice 'auto' needs a parser of the model's own tool-call format: start the "
+                              "server with --tool-call-parser hermes (for models that write <tool_call>...), or "
+                              "give 'required', a named function or 'none'", "tool_choice")
+        return ToolCalling(None, None, parser)
     functions = {tool["function"]["name"]: _parameters(tool["function"]) for tool in tools}
     if choice == "required":
         if len(functions) > MAX_REQUIRED_TOOLS:
@@ -139,43 +149,140 @@ def _moved(schema: Any, i: int) -> Any:
     return moved
 
 
-@dataclass
 class ToolCallReader:
-    """One choice's output read as tool calls, as it comes: `feed` the text, get the calls'
-    deltas (OpenAI's stream shape, each with its index among the choice's calls)."""
+    """One choice's output read as tool calls, as it comes: `feed` the text, get the stream's
+    delta for it ({"tool_calls": [...]}, each call with its index among the choice's, and
+    {"content": ...} where text is left over), `close` at the end for what was held back;
+    `calls` and `content` are the whole message's."""
 
-    calling: ToolCalling
-    text: str = ""
-    calls: list[dict[str, Any]] = field(default_factory=list)  # whole calls so far
-    _read: int = 0  # how far "required"'s array has been read
+    def __init__(self, calling: ToolCalling) -> None:
+        self.calling = calling
+        self.text = ""
+        self.calls: list[dict[str, Any]] = []
+        self.content = ""
+        self._read = 0  # how far the text has been read
+        self._spaces = ""  # whitespace held back: between calls it is no content
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def feed(self, text: str) -> dict[str, Any]:
         self.text += text
+        if self.calling.parser is not None:
+            return self._hermes()
         if self.calling.name is not None:  # the text is the one call's arguments
             if not self.calls:
                 self.calls.append(_call(self.calling.name, text))
-                return [dict(self.calls[0], index=0, function=dict(self.calls[0]["function"]))]
+                return {"tool_calls": [dict(self.calls[0], index=0, function=dict(self.calls[0]["function"]))]}
             if not text:
-                return []
+                return {}
             self.calls[0]["function"]["arguments"] += text
-            return [{"index": 0, "function": {"arguments": text}}]
-        deltas = []
-        decoder = json.JSONDecoder()
-        while True:  # the array's next whole element, if it has come
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        calls = []
+        while True:  # "required"'s array: its next whole element, if it has come
             at = len(self.text) - len(self.text[self._read:].lstrip(" \t\n\r[,"))
-            try:
-                element, end = decoder.raw_decode(self.text, at)
-                # the arguments as the model wrote them (re-encoding could change them: a lone
-                # surrogate escape or 1e999 does not survive json.loads and json.dumps)
-                start = self.text.index('"parameters"', at) + len('"parameters"')
-                start = len(self.text) - len(self.text[start:].lstrip(" \t\n\r:"))
-                _, stop = decoder.raw_decode(self.text, start)
-            except (ValueError, RecursionError):
-                return deltas
-            self._read = end
-            call = _call(element["name"], self.text[start:stop])
-            self.calls.append(call)
-            deltas.append(dict(call, index=len(self.calls) - 1))
+            element = _object_members(self.text, at)
+            if element is None:
+                return self._delta("", calls)
+            self._read = element["}"]
+            calls.append(self._add(json.loads(element["name"]), element["parameters"]))
+
+    def close(self) -> dict[str, Any]:
+        """The delta of what was held back: the rest of the text (an unclosed <tool_call>, or
+        a tag's first characters) as content, and whitespace unless it fell between calls."""
+        if self.calling.parser is None:
+            return {}
+        rest, self._read = self.text[self._read:], len(self.text)
+        return self._delta(rest, [], last=True)
+
+    def message(self) -> dict[str, Any]:
+        content = self.content if self.content or not self.calls else None
+        return {"role": "assistant", "content": content, "tool_calls": self.calls} if self.calls or \
+            self.calling.parser is None else {"role": "assistant", "content": self.content}
+
+    def _hermes(self) -> dict[str, Any]:
+        content, calls = "", []
+        while True:
+            i = self.text.find(_OPEN, self._read)
+            if i < 0:  # text, but for the first characters of a tag at the end
+                end = len(self.text) - _tag_start(self.text, self._read)
+                content, self._read = content + self.text[self._read:end], end
+                return self._delta(content, calls)
+            j = self.text.find(_CLOSE, i + len(_OPEN))
+            content += self.text[self._read:i]
+            if j < 0:  # a call begun: wait for its end
+                self._read = i
+                return self._delta(content, calls)
+            self._read = j + len(_CLOSE)
+            call = _object_members(self.text[i + len(_OPEN):j].strip(), 0)
+            name = _string(call.get("name")) if call is not None else None
+            if name is None:  # not a call after all: the model's text
+                content += self.text[i:self._read]
+                continue
+            arguments = call.get("arguments", "{}")
+            calls.append(self._add(name, _string(arguments) if arguments.startswith('"') else arguments))
+
+    def _add(self, name: str, arguments: str) -> dict[str, Any]:
+        self.calls.append(_call(name, arguments))
+        return dict(self.calls[-1], index=len(self.calls) - 1)
+
+    def _delta(self, content: str, calls: list[dict[str, Any]], last: bool = False) -> dict[str, Any]:
+        content, self._spaces = self._spaces + content, ""
+        if content.isspace() and not (last and not self.calls):
+            self._spaces, content = ("" if last else content), ""
+        self.content += content
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta
+
+
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _tag_start(text: str, start: int) -> int:
+    """How many of the text's last characters (from `start` on) could begin a <tool_call>."""
+    for k in range(min(len(_OPEN) - 1, len(text) - start), 0, -1):
+        if text.endswith(_OPEN[:k]):
+            return k
+    return 0
+
+
+def _object_members(text: str, at: int) -> Optional[dict[str, Any]]:
+    """The JSON object at text[at:] as {key: its value's text as written}, with "}" the index
+    after it; None where no whole object is there. The values' own text: re-encoding could
+    change them (a lone surrogate escape or 1e999 does not survive json.loads and dumps)."""
+    decoder, blank = json.JSONDecoder(), " \t\n\r"
+    skip = lambda i: len(text) - len(text[i:].lstrip(blank))  # noqa: E731
+    try:
+        if text[at:at + 1] != "{":
+            return None
+        members, i = {}, skip(at + 1)
+        if text[i:i + 1] == "}":
+            return {"}": i + 1}
+        while True:
+            key, i = decoder.raw_decode(text, i)
+            i = skip(i)
+            if not isinstance(key, str) or text[i:i + 1] != ":":
+                return None
+            start = skip(i + 1)
+            _, i = decoder.raw_decode(text, start)
+            members[key] = text[start:i]
+            i = skip(i)
+            if text[i:i + 1] == "}":
+                members["}"] = i + 1
+                return members
+            if text[i:i + 1] != ",":
+                return None
+            i = skip(i + 1)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _string(text: Optional[str]) -> Optional[str]:
+    """A JSON string's value (None for anything else)."""
+    try:
+        value = json.loads(text) if text else None
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:

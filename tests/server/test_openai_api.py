@@ -670,3 +670,74 @@ def test_parallel_tool_calls_false_makes_one_call():
         assert so.is_complete(so.advance(start, '[{"name": "f", "parameters": {}}]'))
         assert so.is_complete(so.advance(start, '[{"name": "f", "parameters": {}}, {"name": "f", "parameters": {}}]')) \
             == two_ok
+
+
+HERMES = [  # (text, content, calls as (name, arguments))
+    ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+     "Let me check.", [("get_weather", '{"city": "Rome"}')]),
+    ('<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"arguments": "{\\"x\\": 1}", "name": "b"}'
+     '</tool_call>\n', None, [("a", "{}"), ("b", '{"x": 1}')]),
+    ("Hello <tool", "Hello <tool", []),
+    ("<tool_call>not json</tool_call> and text", "<tool_call>not json</tool_call> and text", []),
+    ('ok <tool_call>{"name": "a", "arguments": {"s": "\\udddd", "n": 1e999}}', 'ok <tool_call>{"name": "a", '
+     '"arguments": {"s": "\\udddd", "n": 1e999}}', []),
+    ('<tool_call>{"name": "a", "arguments": {"s": "\\udddd", "n": 1e999}}</tool_call>', None,
+     [("a", '{"s": "\\udddd", "n": 1e999}')]),
+    ("  spaced  ", "  spaced  ", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", HERMES)
+def test_the_hermes_parser_reads_calls_whole_and_in_pieces(text, content, calls):
+    """--tool-call-parser hermes: <tool_call>{"name", "arguments"}</tool_call> blocks become
+    calls (arguments as written; a JSON string's value), the rest content; a block that is
+    no call, or not closed, stays text. Fed in pieces, the deltas add up to the same."""
+    import random
+
+    from streamserve.server.tools import ToolCallReader, ToolCalling
+
+    whole = ToolCallReader(ToolCalling(None, None, "hermes"))
+    whole.feed(text)
+    whole.close()
+    message = whole.message()
+    assert message["content"] == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == calls
+    rng = random.Random(0)
+    for _ in range(20):
+        reader, at, streamed, deltas = ToolCallReader(ToolCalling(None, None, "hermes")), 0, "", []
+        while at < len(text):
+            step = rng.randint(1, 4)
+            deltas.append(reader.feed(text[at:at + step]))
+            at += step
+        deltas.append(reader.close())
+        streamed = "".join(d.get("content", "") for d in deltas)
+        assert streamed == (content or "")
+        assert [c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", [])] == [a for _, a in calls]
+
+
+def test_tool_choice_auto_with_the_hermes_parser(model_dirs):
+    """A server started with --tool-call-parser hermes takes tool_choice "auto": a reply
+    that writes a <tool_call> block is a call (finish reason tool_calls), streamed the same;
+    one that does not is text. (The model is held to each reply by a choice.)"""
+    proc, url = start_server(model_dirs["llama"], "--served-model-name", "tiny", "--tool-call-parser", "hermes")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        block = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>'
+        user = [{"role": "user", "content": "Weather in Rome?"}]
+        for reply, calls in ((block, 1), ("It is sunny.", 0)):
+            kwargs = dict(model="tiny", messages=user, max_tokens=200, temperature=0, tools=[WEATHER],
+                          extra_body={"structured_outputs": {"choice": [reply]}})
+            out = client.chat.completions.create(**kwargs).choices[0]
+            assert out.finish_reason == ("tool_calls" if calls else "stop")
+            if calls:
+                assert out.message.content is None
+                assert [(t.function.name, t.function.arguments) for t in out.message.tool_calls] == \
+                    [("get_weather", '{"city": "Rome", "days": 2}')]
+            else:
+                assert out.message.content == reply and not out.message.tool_calls
+            streamed = _streamed_calls(client.chat.completions.create(**kwargs, stream=True)) if calls else {}
+            assert [(c["name"], c["arguments"]) for c in streamed.get(0, [])] == \
+                [(t.function.name, t.function.arguments) for t in out.message.tool_calls or []]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
