@@ -186,16 +186,20 @@ class ToolCallReader:
 
     def close(self) -> dict[str, Any]:
         """The delta of what was held back: the rest of the text (an unclosed <tool_call>, or
-        a tag's first characters) as content, and whitespace unless it fell between calls."""
+        a tag's first characters) as content, and the trailing whitespace unless there were
+        calls."""
         if self.calling.parser is None:
             return {}
         rest, self._read = self.text[self._read:], len(self.text)
-        return self._delta(rest, [], last=True)
+        content = self._text(rest)
+        if not self.calls:
+            content, self.content, self._spaces = content + self._spaces, self.content + self._spaces, ""
+        return self._delta(content, [])
 
     def message(self) -> dict[str, Any]:
-        content = self.content if self.content or not self.calls else None
-        return {"role": "assistant", "content": content, "tool_calls": self.calls} if self.calls or \
-            self.calling.parser is None else {"role": "assistant", "content": self.content}
+        if self.calling.parser is not None and not self.calls:
+            return {"role": "assistant", "content": self.content}
+        return {"role": "assistant", "content": self.content or None, "tool_calls": self.calls}
 
     def _hermes(self) -> dict[str, Any]:
         content, calls = "", []
@@ -203,35 +207,69 @@ class ToolCallReader:
             i = self.text.find(_OPEN, self._read)
             if i < 0:  # text, but for the first characters of a tag at the end
                 end = len(self.text) - _tag_start(self.text, self._read)
-                content, self._read = content + self.text[self._read:end], end
+                content += self._text(self.text[self._read:end])
+                self._read = end
                 return self._delta(content, calls)
             j = self.text.find(_CLOSE, i + len(_OPEN))
-            content += self.text[self._read:i]
+            content += self._text(self.text[self._read:i])
             if j < 0:  # a call begun: wait for its end
                 self._read = i
                 return self._delta(content, calls)
             self._read = j + len(_CLOSE)
-            call = _object_members(self.text[i + len(_OPEN):j].strip(), 0)
-            name = _string(call.get("name")) if call is not None else None
-            if name is None:  # not a call after all: the model's text
-                content += self.text[i:self._read]
+            call = _hermes_call(self.text[i + len(_OPEN):j])
+            if call is None:  # not a call after all: the model's text
+                content += self._text(self.text[i:self._read])
                 continue
-            arguments = call.get("arguments", "{}")
-            calls.append(self._add(name, _string(arguments) if arguments.startswith('"') else arguments))
+            self._spaces = ""  # whitespace before a call is no content
+            calls.append(self._add(*call))
+
+    def _text(self, text: str) -> str:
+        """Content as it comes, but for its trailing whitespace, held back until more content
+        comes (then it is content) or a call does (then it is not): so where the text was cut
+        into pieces changes nothing."""
+        text = self._spaces + text
+        body = text.rstrip()
+        self._spaces = text[len(body):]
+        self.content += body
+        return body
 
     def _add(self, name: str, arguments: str) -> dict[str, Any]:
         self.calls.append(_call(name, arguments))
         return dict(self.calls[-1], index=len(self.calls) - 1)
 
-    def _delta(self, content: str, calls: list[dict[str, Any]], last: bool = False) -> dict[str, Any]:
-        content, self._spaces = self._spaces + content, ""
-        if content.isspace() and not (last and not self.calls):
-            self._spaces, content = ("" if last else content), ""
-        self.content += content
+    @staticmethod
+    def _delta(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
         delta: dict[str, Any] = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = calls
         return delta
+
+
+def _hermes_call(block: str) -> Optional[tuple[str, str]]:
+    """(name, arguments) of a <tool_call> block's {"name": ..., "arguments": ...} (Llama's
+    "parameters" too; arguments as written, or a JSON string's value), or None where the block
+    is not one whole such object (then it stays the model's text)."""
+    block = block.strip(" \t\n\r")
+    call = _object_members(block, 0)
+    if call is None or call["}"] != len(block):
+        return None
+    name = _string(call.get("name"))
+    arguments = call.get("arguments", call.get("parameters"))
+    if name is None or not _NAME.fullmatch(name) or arguments is None:
+        return None
+    if arguments.startswith('"'):  # arguments written as a JSON string: its value, if it is text
+        value = _string(arguments)
+        if value is not None and _encodable(value):
+            arguments = value
+    return name, arguments
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate, from an escape
+        return False
+    return True
 
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"

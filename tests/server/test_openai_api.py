@@ -684,6 +684,17 @@ HERMES = [  # (text, content, calls as (name, arguments))
     ('<tool_call>{"name": "a", "arguments": {"s": "\\udddd", "n": 1e999}}</tool_call>', None,
      [("a", '{"s": "\\udddd", "n": 1e999}')]),
     ("  spaced  ", "  spaced  ", []),
+    ('Let me check.\n<tool_call>{"name": "f", "arguments": {}}</tool_call> \n', "Let me check.", [("f", "{}")]),
+    ('A<tool_call>{"name": "f", "arguments": {}}</tool_call> \nthen B\n', "A \nthen B", [("f", "{}")]),
+    ('<tool_call>{"name": "f", "arguments": {}} and more</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {}} and more</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": {}}{"name": "g", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "f", "arguments": {}}{"name": "g", "arguments": {}}</tool_call>', []),
+    ('<tool_call>{"name": "\ud800", "arguments": {}}</tool_call>', '<tool_call>{"name": "\ud800", "arguments": {}}'
+     '</tool_call>', []),
+    ('<tool_call>{"name": "f", "arguments": "\udc00"}</tool_call>', None, [("f", '"\udc00"')]),
+    ('<tool_call>{"name": "f", "parameters": {"a": 1}}</tool_call>', None, [("f", '{"a": 1}')]),
+    ('<tool_call>{"name": "f"}</tool_call>', '<tool_call>{"name": "f"}</tool_call>', []),
 ]
 
 
