@@ -10,7 +10,7 @@ set -euo pipefail
 LLAMA=$1; CONC=$2; N=$3; ROUNDS=${4:-2}; OUT=${5:-/tmp/compare_llama_server}
 HERE=$(cd "$(dirname "$0")" && pwd)
 GGUF=$(python -c "from streamserve.models.resolve import default_gguf_path; print(default_gguf_path())")
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 for r in $(seq 1 "$ROUNDS"); do
   for who in llama-server streamserve; do
     if [ $who = llama-server ]; then
@@ -18,8 +18,11 @@ for r in $(seq 1 "$ROUNDS"); do
         > "$OUT/$who.log" 2>&1 &
       PID=$!; URL=http://127.0.0.1:8091
     else
-      (cd /tmp && exec python -m streamserve --port 8090 > "$OUT/$who.log" 2>&1) &
-      PID=$!; URL=http://127.0.0.1:8090
+      # from another directory, so that a checkout here is not what Python imports as streamserve;
+      # started directly (not in a subshell), so that $! is the server and kill stops it
+      cd /tmp
+      python -m streamserve --port 8090 > "$OUT/$who.log" 2>&1 &
+      PID=$!; URL=http://127.0.0.1:8090; cd - > /dev/null
     fi
     for _ in $(seq 1 180); do curl -sf $URL/health > /dev/null && break; sleep 1; done
     python "$HERE/bench_serving.py" --url $URL --concurrency "$CONC" --num-prompts "$N" --prompt-len 20 50 \
