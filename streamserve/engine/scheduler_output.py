@@ -55,7 +55,7 @@ class SchedulerOutput:
     # Requests the runner must forget before this step (finished, aborted, preempted).
     finished_req_ids: set[str]
     preempted_req_ids: list[str]
-    # JSON mode: req_id -> [vocab] bool mask of the tokens it may sample this step (read-only)
+    # structured output: req_id -> [vocab] bool mask of the tokens it may sample this step (read-only)
     allowed_token_masks: dict[str, np.ndarray] = field(default_factory=dict)
 
 

@@ -230,7 +230,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_body(request)
     renderer = request.app[ENGINE].renderer
     if "messages" in body:
-        tokens = encode_chat(request.app[ENGINE], body)
+        tokens = encode_chat(request.app[ENGINE], body, tools_for_template(body))
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
@@ -240,12 +240,13 @@ async def tokenize(request: web.Request) -> web.Response:
                           "max_model_len": request.app[ENGINE].config.model.max_model_len})
 
 
-def encode_chat(engine: AsyncEngine, body: dict[str, Any]) -> list[int]:
-    """A chat body's messages through the chat template, as its options say, to token IDs."""
+def encode_chat(engine: AsyncEngine, body: dict[str, Any], tools: Optional[list[dict[str, Any]]]) -> list[int]:
+    """A chat body's messages (and checked tools) through the chat template, as its options
+    say, to token IDs."""
     messages, options = protocol.chat_messages(body), protocol.chat_options(body)
     try:
         return engine.renderer.encode_chat(messages, options.add_generation_prompt, options.chat_template_kwargs,
-                                           options.continue_final_message, tools_for_template(body))
+                                           options.continue_final_message, tools)
     except ValueError as exc:  # the template's refusal is about the messages
         raise bad_request(str(exc), exc.param if isinstance(exc, ParamError) else "messages") from None
 
@@ -299,8 +300,9 @@ class _Call:
         self.keepalive = serving.server.sse_keepalive_seconds
         # (text or None, token IDs) per prompt
         self.prompts: list[tuple[Optional[str], list[int]]] = []
+        tools = tools_for_template(body) if chat else None  # checked once, for the template and the calls
         if chat:
-            self.prompts.append((None, encode_chat(self.engine, body)))
+            self.prompts.append((None, encode_chat(self.engine, body, tools)))
         else:
             for prompt in protocol.completion_prompts(body):
                 self.prompts.append((prompt, self.engine.renderer.encode(prompt)) if isinstance(prompt, str)
@@ -315,7 +317,7 @@ class _Call:
                                                default_max_tokens=None if chat else 16,
                                                logprobs=protocol.logprobs_setting(body, chat))
         # tool_choice "required" or a named function: the output is held to the calls' schema
-        self.tool_calling = tool_calling(body, serving.server.tool_call_parser) if chat else None
+        self.tool_calling = tool_calling(body, tools, serving.server.tool_call_parser) if chat else None
         if self.tool_calling is not None and self.tool_calling.structured is not None:
             if self.params.structured_outputs is not None:
                 raise bad_request("a tool call is JSON of its own: give 'tool_choice' or 'response_format' / "

@@ -74,13 +74,14 @@ def tools_for_template(body: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
     return tools
 
 
-def tool_calling(body: dict[str, Any], parser: Optional[str] = None) -> Optional[ToolCalling]:
-    """What tool_choice asks of the reply (None: text). `parser`: the server's tool-call format
-    ("hermes"), without which "auto" cannot be."""
+def tool_calling(body: dict[str, Any], tools: Optional[list[dict[str, Any]]],
+                 parser: Optional[str] = None) -> Optional[ToolCalling]:
+    """What tool_choice asks of the reply (None: text). `tools`: the body's, as tools_for_template
+    checked them; `parser`: the server's tool-call format ("hermes"), without which "auto"
+    cannot be."""
     if body.get("functions") or body.get("function_call") not in (None, "none"):
         raise bad_request("the deprecated 'functions' and 'function_call' are not supported: give 'tools' and "
                           "'tool_choice'", "functions")
-    tools = tools_for_template(body)
     choice = body.get("tool_choice", "none" if tools is None else "auto")
     if choice == "none":
         return None

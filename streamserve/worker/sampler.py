@@ -40,8 +40,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
                  allowed: Optional[list[Optional[np.ndarray]]] = None
                  ) -> tuple[list[int], Optional[list[Optional[TokenLogprobs]]]]:
-        """allowed: per row, None or a [vocab] bool mask of the only tokens it may sample (JSON
-        mode); applied first, so its logprobs are those of the constrained distribution."""
+        """allowed: per row, None or a [vocab] bool mask of the only tokens it may sample
+        (structured output); applied first, so its logprobs are those of the constrained
+        distribution."""
         logits = logits.float()
         if allowed is not None and any(mask is not None for mask in allowed):
             logits = self._keep_allowed(logits, allowed)
@@ -163,7 +164,7 @@ class Sampler:
 def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor,
                     counts: list[Optional[int]]) -> list[Optional[TokenLogprobs]]:
     """Per row of raw logprobs: its token's logprob and rank, with the top counts[i] (None:
-    nothing for that row). -inf (a token JSON mode rules out) reads -9999.0, as in vLLM's API:
+    nothing for that row). -inf (a token structured output rules out) reads -9999.0, as in vLLM's API:
     JSON has no infinity."""
     chosen = raw.gather(1, tokens.unsqueeze(1))
     ranks = (raw > chosen).sum(dim=-1) + 1

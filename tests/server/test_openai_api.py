@@ -640,12 +640,12 @@ def test_tool_call_arguments_are_the_text_the_model_wrote(server):
     surrogate escape or 1e999 would not survive json.loads and json.dumps); a deep JSON
     argument string in an earlier message is passed on as text, not a 500."""
     from streamserve.engine import structured_output as so
-    from streamserve.server.tools import ToolCallReader, tool_calling
+    from streamserve.server.tools import ToolCallReader, tool_calling, tools_for_template
 
     body = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"s": {"type": "string"}, "x": {"type": "number"},
                                          "c": {"const": {"$ref": "#/keep"}}}}}}], "tool_choice": "required"}
-    calling = tool_calling(body)
+    calling = tool_calling(body, tools_for_template(body))
     text = '[{"name": "f", "parameters": {"s": "\\udddd]", "x": 1e999, "c": {"$ref":"#/keep"}}},{"name":"f","parameters":{}}]'
     assert so.is_complete(so.advance(so.start_states(calling.structured), text))  # what the decoder may write
     reader = ToolCallReader(calling)
@@ -661,12 +661,12 @@ def test_tool_call_arguments_are_the_text_the_model_wrote(server):
 
 def test_parallel_tool_calls_false_makes_one_call():
     from streamserve.engine import structured_output as so
-    from streamserve.server.tools import tool_calling
+    from streamserve.server.tools import tool_calling, tools_for_template
 
     tools = [{"type": "function", "function": {"name": "f"}}]
     for parallel, two_ok in ((None, True), (False, False)):
         body = {"tools": tools, "tool_choice": "required", "parallel_tool_calls": parallel}
-        start = so.start_states(tool_calling(body).structured)
+        start = so.start_states(tool_calling(body, tools_for_template(body)).structured)
         assert so.is_complete(so.advance(start, '[{"name": "f", "parameters": {}}]'))
         assert so.is_complete(so.advance(start, '[{"name": "f", "parameters": {}}, {"name": "f", "parameters": {}}]')) \
             == two_ok
