@@ -1,4 +1,4 @@
-"""Time the CPU GEMV kernel against torch's float32 GEMM on a model's weight shapes.
+"""Time the CPU's packed GEMM against torch's float32 GEMM on a model's weight shapes.
 
     python scripts/bench_gemv.py                       # SmolLM2-135M's shapes, bfloat16 copies
     python scripts/bench_gemv.py --rows 1,4,16,64,128 --layers 8
@@ -8,12 +8,13 @@
 
 Every linear weight of the model (30 layers of fused QKV, O, gate/up and down, and the head)
 as random tensors; for each number of rows (tokens in the step), one pass over all of them
-through the kernel (half-size weights) and through F.linear on float32 copies (what the CPU
-path runs above `GEMV_MAX_TOKENS`), best of a few, in the same process. Prints milliseconds,
-the kernel's GB/s of weights read and GFLOP/s, and the ratio: the runner's threshold should
-sit where the ratio nears 1. With --quant, also the quantized GEMV over the same weights as
-GGUF blocks (the layers in that type, the head in Q8_0, as the default model stores them),
-and its ratio to the kernel: QUANT_MAX_TOKENS should sit where that ratio nears 1.
+through the kernel (half-size weights, packed as the runner packs them) and through F.linear
+on float32 copies (what the CPU path ran before the packed GEMM served every step, and still
+the fallback without the C kernels), best of a few, in the same process. Prints milliseconds,
+the kernel's GB/s of weights read and GFLOP/s, and the ratio. With --quant, also the quantized
+GEMV over the same weights as GGUF blocks (the layers in that type, the head in Q8_0, as the
+default model stores them), and its ratio to the kernel: QUANT_MAX_TOKENS should sit where
+that ratio nears 1.
 """
 
 from __future__ import annotations
@@ -57,13 +58,14 @@ def main() -> None:
     if kernels is None:
         raise SystemExit("the CPU kernels do not build here (see the log)")
     dtype = getattr(torch, args.dtype)
-    gemv = kernels.gemv[dtype]
+    gemm = kernels.gemm[dtype]
     h, qkv = args.hidden, (args.heads + 2 * args.kv_heads) * args.head_dim
     shapes = [(qkv, h), (args.heads * args.head_dim, h), (2 * args.intermediate, h), (h, args.intermediate)]
     gen = torch.Generator().manual_seed(0)
     half = [torch.randn(n, k, generator=gen).to(dtype) for _ in range(args.layers) for n, k in shapes]
     half.append(torch.randn(args.vocab, h, generator=gen).to(dtype))
     full = [w.float() for w in half]
+    packed = [cpu_kernels.pack_weight(w) for w in half]
     weight_bytes = sum(w.numel() * w.element_size() for w in half)
     params = sum(w.numel() for w in half)
     quant = []
@@ -77,7 +79,7 @@ def main() -> None:
           + (f" {args.quant:>10} {'vs kernel':>9}" if quant else ""))
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen) for k in {k for _, k in shapes}}
-        kernel = best_of(lambda: [gemv(xs[w.shape[1]], w) for w in half], args.repeats)
+        kernel = best_of(lambda: [gemm(xs[w.shape[1]], p) for w, p in zip(half, packed)], args.repeats)
         linear = best_of(lambda: [F.linear(xs[w.shape[1]], w) for w in full], args.repeats)
         line = (f"{m:5d} {kernel * 1e3:8.1f}ms {weight_bytes / kernel / 1e9:6.1f} "
                 f"{2 * params * m / kernel / 1e9:8.1f} {linear * 1e3:12.1f}ms {linear / kernel:6.2f}")

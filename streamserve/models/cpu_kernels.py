@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import tempfile
 from functools import lru_cache
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -34,6 +34,35 @@ SOURCE = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm"]
 
 Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+PANEL = 16  # rows of w a panel of the packed layout holds (csrc: PANEL)
+
+
+class PackedWeight(NamedTuple):
+    """A linear weight [N, K] as the C GEMM reads it (pack_weight): `panels` [ceil(N / 16), K, 16]."""
+
+    panels: torch.Tensor
+    out_features: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.panels.dtype
+
+
+def pack_weight(w: torch.Tensor) -> PackedWeight:
+    """w [N, K] (float32, bfloat16 or float16) in panels of 16 rows, k-major, the last padded
+    with zero rows: the 16 weights of one k of a panel lie side by side, bfloat16 ones
+    interleaved (rows 0-7 in the even places, 8-15 in the odd) so that a shift and a mask
+    widen them in order (csrc/cpu_kernels.c: panel_bf16)."""
+    n, k = w.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=w.dtype)
+    padded[:n] = w
+    if w.dtype == torch.bfloat16:  # [P, 2, 8, K] -> [P, K, 8, 2]
+        packed = padded.view(panels, 2, PANEL // 2, k).permute(0, 3, 2, 1)
+    else:
+        packed = padded.view(panels, PANEL, k).transpose(1, 2)
+    return PackedWeight(packed.contiguous().view(panels, k, PANEL), n)
 
 
 def _usable() -> Optional[str]:
@@ -76,8 +105,8 @@ def _build(compiler: str) -> str:
 
 
 class CpuKernels:
-    """gemv[dtype](x [M, K] float32, w [N, K] dtype) -> [M, N] float32, for bfloat16,
-    float16 and float32 weights; quant_gemv[kind](x, blocks) likewise for a QuantizedWeight's
+    """gemm[dtype](x [M, K] float32, w: PackedWeight of dtype) -> [M, N] float32, x @ w.T, for
+    bfloat16, float16 and float32 weights; quant_gemv[kind](x, blocks) likewise for a QuantizedWeight's
     blocks (models/quantized.py: BLOCKS); rms_norm / fused_add_rms_norm with
     streamserve_kernels.norm's interface (float32, [T, H] contiguous), so RMSNorm takes either
     as its `kernels`;
@@ -85,13 +114,13 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        self.gemv: dict[torch.dtype, Gemv] = {}
-        for dtype, name in ((torch.bfloat16, "gemv_bf16"), (torch.float16, "gemv_f16"),
-                            (torch.float32, "gemv_f32")):
+        self.gemm: dict[torch.dtype, Callable[[torch.Tensor, PackedWeight], torch.Tensor]] = {}
+        for dtype, name in ((torch.bfloat16, "gemm_packed_bf16"), (torch.float16, "gemm_packed_f16"),
+                            (torch.float32, "gemm_packed_f32")):
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
             fn.restype = None
-            self.gemv[dtype] = _wrap_gemv(fn)
+            self.gemm[dtype] = _wrap_gemm(fn, dtype)
         self.quant_gemv: dict[str, Gemv] = {}
         for kind in BLOCKS:
             fn = getattr(lib, f"gemv_{kind}")
@@ -173,14 +202,18 @@ def load() -> Optional[CpuKernels]:
     return CpuKernels(lib)
 
 
-def _wrap_gemv(fn) -> Gemv:
-    def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _wrap_gemm(fn, dtype: torch.dtype):
+    def gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         x = x.contiguous()
-        (m, k), n = x.shape, w.shape[0]
-        y = torch.empty(m, n)
-        fn(x.data_ptr(), w.data_ptr(), y.data_ptr(), m, n, k)
+        m, k = x.shape
+        if x.dtype != torch.float32 or w.dtype != dtype or w.panels.shape[1:] != (k, PANEL):
+            raise ValueError(f"the packed GEMM for {dtype} takes float32 x [M, K] and {dtype} panels "
+                             f"[P, K, {PANEL}]; got x {x.dtype} {tuple(x.shape)}, panels {w.dtype} "
+                             f"{tuple(w.panels.shape)}")
+        y = torch.empty(m, w.out_features)
+        fn(x.data_ptr(), w.panels.data_ptr(), y.data_ptr(), m, w.out_features, k)
         return y
-    return gemv
+    return gemm
 
 
 def _wrap_quant_gemv(fn, block_weights: int, block_bytes: int) -> Gemv:
@@ -236,7 +269,7 @@ class StepForward:
     cache up to its own position (the whole step's keys are written first).
 
     Built once the KV caches exist: the C side keeps pointers to the weights (each Linear's
-    half-size copy where it has one, and its GGUF blocks, read by steps of at most
+    packed copy, and its GGUF blocks, read by steps of at most
     `quant_max_tokens` tokens, where it has those) and to the caches, and this object keeps
     them alive.
     `unsupported(model, kv_caches)` says why a model cannot run this way."""
@@ -259,8 +292,7 @@ class StepForward:
             return t.data_ptr()
 
         def weights(linear):
-            wide = _weight(linear)
-            pair = (_Weight * 2)((ptr(wide), _WEIGHT_DTYPES[wide.dtype]), (None, 0))
+            pair = (_Weight * 2)((ptr(linear.packed.panels), _WEIGHT_DTYPES[linear.packed.dtype]), (None, 0))
             if linear.quantized is not None:
                 pair[1] = _Weight(ptr(linear.quantized.blocks), _QUANT_KINDS[linear.quantized.kind])
             return pair
@@ -304,12 +336,10 @@ class StepForward:
             if (attn.q_norm is None) != (attn.k_norm is None):
                 return "it norms q or k alone"
             floats += [norm.weight for norm in (attn.q_norm, attn.k_norm) if norm is not None]
-            weights = [_weight(lin) for lin in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
-                                                 layer.mlp.down_proj)]
-            if any(w.dtype not in _WEIGHT_DTYPES or not w.is_contiguous()
-                   for w in weights) or any(lin.bias is not None for lin in (attn.o_proj, layer.mlp.gate_up_proj,
-                                                                            layer.mlp.down_proj)):
-                return "its linear weights are not all contiguous float32, bfloat16 or float16, without bias"
+            linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if any(lin.packed is None or lin.packed.dtype not in _WEIGHT_DTYPES for lin in linears) \
+                    or any(lin.bias is not None for lin in linears[1:]):
+                return "its linear weights are not all packed float32, bfloat16 or float16, without bias"
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in floats):
             return "it does not compute in float32 on the CPU"
         return None
@@ -339,8 +369,3 @@ class StepForward:
                               -4: "a block ID is past the KV cache",
                               -5: "a quantized GEMV found no memory for its activations"}[rc])
         return hidden
-
-
-def _weight(linear) -> torch.Tensor:
-    """What the small steps read: the half-size copy where the layer keeps one."""
-    return linear.low_precision_weight if linear.low_precision_weight is not None else linear.weight

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from streamserve.models.cpu_kernels import pack_weight
 from streamserve.models.quantized import BLOCKS
 
 
@@ -43,63 +44,70 @@ class RMSNorm(nn.Module):
 
 
 class Linear(nn.Module):
-    """A linear layer that may also keep compact copies of its weight for small steps.
+    """A linear layer that may also keep other copies of its weight, read in its place by the
+    steps that pass `low_precision` (`ForwardContext.low_precision`; the runner decides which).
 
-    On the CPU a bfloat16 checkpoint runs in float32, but steps of a few tokens are
-    bound by reading the weights, not by compute: for those, the half-size copy is
-    faster (`ForwardContext.low_precision`), read by the CPU GEMV kernel (cpu_kernels.py)
-    for up to `gemv_max_rows` rows where it builds, else (and on CPUs with native
-    half-precision GEMMs, for the larger steps too) by torch. A layer loaded from a GGUF
-    file may also keep its blocks (`quantized`), smaller still, read by the quantized
-    GEMV for up to `quant_max_rows` rows.
+    On the CPU with the C kernels (cpu_kernels.py), the weight is packed in panels (`packed`,
+    in the checkpoint's dtype: bfloat16 copies of a bfloat16 checkpoint, which computes in
+    float32) and `gemm` reads it for inputs of up to `packed_max_rows` rows: every step, unless
+    the CPU has native half-precision GEMMs (AMX), whose torch GEMMs then read a row-major
+    half-size copy (`low_precision_weight`) for the larger steps. Without the C kernels, a
+    half-size row-major copy serves torch for steps of a few tokens, which are bound by reading
+    the weights. A layer loaded from a GGUF file may also keep its blocks (`quantized`),
+    smaller still, read by the quantized GEMV for up to `quant_max_rows` rows.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.low_precision_weight: Optional[torch.Tensor] = None
-        self.gemv: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
-        self.gemv_max_rows = 0
+        self.packed = None  # models.cpu_kernels.PackedWeight
+        self.gemm: Optional[Callable] = None
+        self.packed_max_rows = 0
         self.quantized = None  # models.quantized.QuantizedWeight
         self.quant_gemv: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
         self.quant_max_rows = 0
 
-    def keep_low_precision_copy(self, dtype: torch.dtype, gemv=None, gemv_max_rows: int = 0,
-                                drop_full: bool = False) -> None:
-        """Keep a `dtype` copy of the weight, read by `gemv(x, w)` when given, for inputs of
-        at most `gemv_max_rows` rows; with `drop_full`, only the copy (every call must then
-        pass low_precision)."""
-        self.low_precision_weight = self.weight.detach().to(dtype).contiguous()
-        self.gemv, self.gemv_max_rows = gemv, gemv_max_rows
+    def keep_copies(self, dtype: torch.dtype, gemm=None, packed_max_rows: int = 0, row_major: bool = True,
+                    drop_full: bool = False) -> None:
+        """Keep `dtype` copies of the weight: packed for `gemm(x, packed)` (cpu_kernels:
+        CpuKernels.gemm) for inputs of at most `packed_max_rows` rows when `gemm` is given, and
+        row-major for torch when `row_major`; with `drop_full`, only the copies (every call must
+        then pass low_precision)."""
+        copy = self.weight.detach().to(dtype)
+        if gemm is not None:
+            self.packed, self.gemm, self.packed_max_rows = pack_weight(copy), gemm, packed_max_rows
+        self.low_precision_weight = copy.contiguous() if row_major else None
         if drop_full:
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def keep_quantized(self, weight, gemv, max_rows: int) -> None:
         """Read `weight` (a QuantizedWeight of this layer's shape) with `gemv(x, blocks)` for
         low-precision inputs of at most `max_rows` rows."""
-        full = self.weight if self.weight.numel() else self.low_precision_weight  # drop_full kept only the copy
         blocks, (_, block_bytes) = weight.blocks, BLOCKS[weight.kind]
         if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous()
-                or blocks.shape[1] % block_bytes or weight.shape != tuple(full.shape)):
+                or blocks.shape[1] % block_bytes or weight.shape != (self.out_features, self.in_features)):
             raise ValueError(f"{weight.kind} blocks {blocks.dtype} {tuple(blocks.shape)} do not hold a "
-                             f"{tuple(full.shape)} layer's weight")
+                             f"{(self.out_features, self.in_features)} layer's weight")
         self.quantized, self.quant_gemv, self.quant_max_rows = weight, gemv, max_rows
 
     def forward(self, x: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
-        w = self.low_precision_weight
-        if low_precision and self.quantized is not None and x.shape[0] <= self.quant_max_rows \
-                and x.dtype == torch.float32:
-            out = self.quant_gemv(x, self.quantized.blocks)
-            return out if self.bias is None else out + self.bias
-        if low_precision and w is not None:
-            if self.gemv is not None and x.dtype == torch.float32 and x.shape[0] <= self.gemv_max_rows:
-                out = self.gemv(x, w)
-            else:
+        if low_precision:
+            rows, w = x.shape[0], self.low_precision_weight
+            if self.quantized is not None and rows <= self.quant_max_rows and x.dtype == torch.float32:
+                out = self.quant_gemv(x, self.quantized.blocks)
+            elif self.packed is not None and rows <= self.packed_max_rows and x.dtype == torch.float32:
+                out = self.gemm(x, self.packed)
+            elif w is not None:
                 out = F.linear(x.to(w.dtype), w).to(x.dtype)
-            return out if self.bias is None else out + self.bias
-        if w is not None and self.weight.numel() == 0:
-            raise RuntimeError("this layer keeps only its low-precision weight: call it with low_precision")
+            else:
+                out = None
+            if out is not None:
+                return out if self.bias is None else out + self.bias
+        if self.weight.numel() == 0:
+            raise RuntimeError("this layer keeps only copies of its weight: call it with low_precision")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -181,16 +181,16 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
 
-    def keep_low_precision_copies(self, dtype: torch.dtype, gemv=None, gemv_max_rows: int = 0,
-                                  drop_full: bool = False) -> None:
-        """Keep `dtype` copies of every linear weight for steps of a few tokens, read by
-        `gemv(x, w)` when given (the CPU kernel) for up to `gemv_max_rows` rows, else by torch.
-        With `drop_full` (every step reads the copies), free the full-precision weights, but
-        the embedding's, which a tied head shares."""
+    def keep_copies(self, dtype: torch.dtype, gemm=None, packed_max_rows: int = 0, row_major: bool = True,
+                    drop_full: bool = False) -> None:
+        """Keep `dtype` copies of every linear weight (Linear.keep_copies): packed for the C GEMM
+        `gemm` when given, for up to `packed_max_rows` rows, and row-major for torch when
+        `row_major`. With `drop_full` (every step reads the copies), free the full-precision
+        weights, but the embedding's, which a tied head shares."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.keep_low_precision_copy(dtype, gemv, gemv_max_rows,
-                                               drop_full and module.weight is not self.embed_tokens.weight)
+                module.keep_copies(dtype, gemm, packed_max_rows, row_major,
+                                   drop_full and module.weight is not self.embed_tokens.weight)
 
     def keep_quantized(self, weights: dict, gemvs: dict, max_rows: int) -> list[str]:
         """Give each linear layer whose checkpoint tensors are all in `weights` (Hugging Face

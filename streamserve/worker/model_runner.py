@@ -9,6 +9,7 @@ step: a chunk that leaves part of its prompt unread samples nothing.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -31,19 +32,19 @@ from streamserve.worker.staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
-# Steps of at most this many tokens read the low-precision weight copies (see choose_dtypes):
-# through torch's emulated bfloat16 GEMMs, or through the C GEMV kernel, which outruns the
-# float32 GEMM up to about 100 rows on an AVX2 machine (scripts/bench_gemv.py: 1.2x at 64,
-# 1.15x at 96, even at 112); such steps also run in one C call (StepForward).
+# Without the C kernels, steps of at most this many tokens read the half-size weight copies
+# (see choose_dtypes) through torch's emulated bfloat16 GEMMs.
 LOW_PRECISION_MAX_TOKENS = 16
-GEMV_MAX_TOKENS = 96
+# With them, steps of at most this many tokens run in one C call (StepForward), every token
+# attending as a decode row; larger ones op by op, through the same C GEMM.
+C_STEP_MAX_TOKENS = 96
 # Steps of at most this many tokens read a GGUF model's quantized blocks (models/quantized.py),
 # where it has them: the quantized GEMV reads 2-3.5x fewer bytes than the other copies but
 # spends more arithmetic per weight. On an AVX2 machine (scripts/bench_gemv.py --quant q4_1)
-# it is 1.5x the bfloat16 GEMV at one token, 1.15x at two, even at three; and 2.8x the float32
-# GEMV at one token, 1.1x at eight, even at sixteen.
+# it is 1.55x the packed bfloat16 GEMM at one token, 1.1x at two, 0.87x at three; and 2.5x the
+# packed float32 GEMM at one token, 1.37x at four, even at six, 0.86x at eight.
 QUANT_MAX_TOKENS = 2  # where the layers keep half-size copies
-QUANT_MAX_TOKENS_FLOAT32 = 8  # where they read float32 weights (a float32 conversion)
+QUANT_MAX_TOKENS_FLOAT32 = 6  # where they read float32 weights (a float32 checkpoint)
 # The most KV splits a decode sequence gets in the Triton split-KV kernel (its workspace size).
 MAX_DECODE_SPLITS = 16
 # Prompt logprobs take the head over this many prompt rows at a time: a 2048-token chunk at
@@ -60,16 +61,16 @@ def native_half_gemms(dtype: torch.dtype) -> bool:
 
 def choose_dtypes(dtype: torch.dtype, device: torch.device,
                   c_kernels: bool) -> tuple[torch.dtype, Optional[torch.dtype], bool]:
-    """(compute dtype, half-size weight dtype or None, whether steps too large for the C GEMV
-    read the half-size copies through torch's native half GEMMs).
+    """(compute dtype, half-size weight dtype or None, whether the CPU has native GEMMs in it).
 
     A bfloat16 / float16 checkpoint on the CPU computes in float32 (its values are exact in
-    float32), with half-size copies of its weights for the small steps, which are bound by
-    reading the weights: the C kernels (`c_kernels`: they load, on the torch backend) read
-    them in one call per step. Larger steps run torch's GEMMs: in float32 where the CPU
-    only emulates half precision (several times slower there), on the half-size copies where
-    it has native GEMMs (AMX). Without the C kernels such a CPU computes in the checkpoint's
-    dtype throughout.
+    float32) from half-size copies of its weights: with the C kernels (`c_kernels`: they
+    load, on the torch backend), packed copies that the C GEMM reads for every step (and,
+    on a CPU with native half GEMMs (AMX), row-major ones torch reads for the larger steps);
+    without them, row-major copies torch reads for the small steps, which are bound by
+    reading the weights, and float32 weights for the rest (where the CPU only emulates half
+    precision, several times slower). Without the C kernels a CPU with native half GEMMs
+    computes in the checkpoint's dtype throughout.
     """
     if device.type != "cpu" or dtype == torch.float32:
         return dtype, None, False
@@ -103,25 +104,32 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = load_model(config.model, self.device, self.dtype)
         self.to_device = HostStaging(self.device)  # numpy array -> device tensor
-        self.low_precision_max_tokens = 0  # steps up to this many tokens read the half-size copies
-        self.half_gemms = False  # larger steps too (through torch's native half-precision GEMMs)
+        self.low_precision_max_tokens = 0  # steps up to this many tokens read the weight copies
+        self.copies_for_all_steps = False  # every step does (the C GEMM, or native half GEMMs above its steps)
         self.c_kernels = kernels if c_ok and self.dtype == torch.float32 else None
         if self.c_kernels is not None:
             self.model.use_norm_kernels(kernels)
         arch = self.model.arch
         self.cpu_attention = self.c_kernels is not None and cpu_kernels.fits_decode_attention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
-        if low_precision is not None:
-            gemv = kernels and kernels.gemv.get(low_precision)
-            self.low_precision_max_tokens = GEMV_MAX_TOKENS if gemv else LOW_PRECISION_MAX_TOKENS
-            self.half_gemms = native_half
+        if self.c_kernels is not None:
+            # Every step reads packed copies (in the checkpoint's dtype) through the C GEMM, but
+            # where torch's native half-precision GEMMs (AMX) take the steps above C_STEP_MAX_TOKENS
+            # from row-major copies; either way the float32 weights go.
+            copy, native = low_precision or torch.float32, low_precision is not None and native_half
+            self.model.keep_copies(copy, self.c_kernels.gemm[copy], C_STEP_MAX_TOKENS if native else sys.maxsize,
+                                   row_major=native, drop_full=True)
+            self.copies_for_all_steps = True
+            name = str(copy).removeprefix("torch.")
+            logger.info("computing in float32 from packed %s weights, read by the C GEMM for %s", name,
+                        f"steps of at most {C_STEP_MAX_TOKENS} tokens and by torch's native {name} GEMMs above"
+                        if native else "every step")
+        elif low_precision is not None:  # (choose_dtypes: a CPU with native half GEMMs computes in them)
+            self.low_precision_max_tokens = LOW_PRECISION_MAX_TOKENS
             half = str(low_precision).removeprefix("torch.")
-            logger.info("computing in float32, with %s weight copies read by %s for steps of at most %d tokens "
-                        "and by %s above", half, "the CPU GEMV kernel" if gemv else "torch",
-                        self.low_precision_max_tokens, f"torch's native {half} GEMMs" if native_half
-                        else f"nothing (this CPU emulates {half} GEMMs: float32 GEMMs serve)")
-            # with native half GEMMs every step reads the copies: the float32 weights go
-            self.model.keep_low_precision_copies(low_precision, gemv, GEMV_MAX_TOKENS, drop_full=native_half)
+            logger.info("computing in float32, with %s weight copies read by torch for steps of at most %d tokens",
+                        half, LOW_PRECISION_MAX_TOKENS)
+            self.model.keep_copies(low_precision)
         self.quant_max_tokens = QUANT_MAX_TOKENS if low_precision is not None else QUANT_MAX_TOKENS_FLOAT32
         if self.c_kernels is not None:
             self._keep_quantized(config.model.model)
@@ -146,7 +154,7 @@ class ModelRunner:
         if self.c_kernels is not None and not config.device.enforce_eager:
             reason = cpu_kernels.StepForward.unsupported(self.model, self.kv_caches)
             if reason is None:
-                self.c_step = cpu_kernels.StepForward(self.c_kernels, self.model, self.kv_caches, GEMV_MAX_TOKENS,
+                self.c_step = cpu_kernels.StepForward(self.c_kernels, self.model, self.kv_caches, C_STEP_MAX_TOKENS,
                                                       self.quant_max_tokens)
             else:
                 logger.info("every step runs op by op: the C step cannot run this model (%s)", reason)
@@ -297,7 +305,7 @@ class ModelRunner:
     def _reads_copies(self, rows: int) -> bool:
         """Whether GEMMs over this many rows read the compact weights: the half-size copies, or a
         GGUF model's blocks (each Linear takes those up to its quant_max_rows)."""
-        return self.half_gemms or rows <= self.low_precision_max_tokens
+        return self.copies_for_all_steps or rows <= self.low_precision_max_tokens
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -383,7 +391,7 @@ class ModelRunner:
         max_len = max([max_decode_len] + [ctx + n for n, ctx in chunks])
         width = -(-max_len // bs)
         positions = _cat(positions)
-        if self.c_step is not None and start <= GEMV_MAX_TOKENS:  # every token as a decode row
+        if self.c_step is not None and start <= C_STEP_MAX_TOKENS:  # every token as a decode row
             token_rows = np.repeat(rows, [1] * nd + [n for n, _ in chunks]) if chunks else rows
             meta = CStepInputs(self.to_device(_cat(slots)), self.to_device(table[token_rows, :width]),
                                self.to_device(positions + 1))

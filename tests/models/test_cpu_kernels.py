@@ -1,4 +1,4 @@
-"""The CPU's C kernels: the GEMV (half-size weights, float32 vectors) against float64 math,
+"""The CPU's C kernels: the packed GEMM (float32 vectors, weights packed in panels) against float64 math,
 RMSNorm against the torch layer, and a bfloat16 model whose small steps run on the GEMV
 against transformers (the float32 parity tests run the C RMSNorm throughout)."""
 
@@ -22,23 +22,45 @@ needs_kernel = pytest.mark.skipif(kernels is None, reason="the CPU kernels do no
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16, 64])  # tiles of 4 vectors, and what is left
-@pytest.mark.parametrize("n,k", [(37, 577), (64, 64), (5, 7), (36, 40)])  # rows in threes, and 1 or 2 left
-def test_kernel_matches_float32(dtype, m, n, k):
+# tiles of 6 vectors and what is left, blocks of 96 and what is left
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 16, 97])
+# whole panels of 16 rows, a part-filled last one, a lone part-filled one
+@pytest.mark.parametrize("n,k", [(37, 577), (64, 64), (5, 7), (16, 1)])
+def test_packed_gemm_matches_float64(dtype, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen).to(dtype)
-    y = kernels.gemv[dtype](x, w)
+    packed = cpu_kernels.pack_weight(w)
+    assert packed.panels.shape == (-(-n // 16), k, 16) and packed.out_features == n
+    y = kernels.gemm[dtype](x, packed)
     ref = x.double() @ w.double().t()
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
 @needs_kernel
-def test_kernel_reads_strided_input():
+def test_packed_gemm_reads_strided_input_and_refuses_a_mismatch():
     x = torch.randn(8, 64)[::2]  # every other row: not contiguous
-    w = torch.randn(16, 64).to(torch.bfloat16)
-    torch.testing.assert_close(kernels.gemv[torch.bfloat16](x, w), x @ w.float().t(), rtol=1e-5, atol=1e-5)
+    weight = torch.randn(16, 64).to(torch.bfloat16)
+    w = cpu_kernels.pack_weight(weight)
+    torch.testing.assert_close(kernels.gemm[torch.bfloat16](x, w), x @ weight.float().t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="packed GEMM"):
+        kernels.gemm[torch.float16](x, w)  # panels of another dtype
+    with pytest.raises(ValueError, match="packed GEMM"):
+        kernels.gemm[torch.bfloat16](torch.randn(4, 63), w)  # another K
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_pack_weight_layout(dtype):
+    """Row n, column k of w at panel n // 16, row k, place j = n % 16 (bfloat16: 2 * (j % 8) + j // 8,
+    the two halves of each 32-bit lane); the last panel's rows past N are zeros."""
+    w = torch.randn(37, 9).to(dtype)
+    panels = cpu_kernels.pack_weight(w).panels
+    for n in range(48):
+        j = n % 16
+        place = 2 * (j % 8) + j // 8 if dtype == torch.bfloat16 else j
+        want = w[n] if n < 37 else torch.zeros(9, dtype=dtype)
+        assert torch.equal(panels[n // 16, :, place], want), n
 
 
 def quantized(kind: str, n: int, k: int, seed: int) -> QuantizedWeight:
@@ -194,15 +216,15 @@ def test_float32_model_uses_the_c_norm_and_decode_attention(llama_dir, monkeypat
 @needs_kernel
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # the q/k/v bias; the per-head q/k norms
 def test_small_steps_in_one_c_call_match_op_by_op(model_dirs, arch, monkeypatch):
-    """By default every step of at most GEMV_MAX_TOKENS tokens runs as one C call
+    """By default every step of at most C_STEP_MAX_TOKENS tokens runs as one C call
     (StepForward), prefill chunks too, and larger steps op by op: the tokens and logprobs
     equal the op-by-op run's (the transformers parity tests check the default path on every
     architecture, with chunked prefill, prefix caching and preemption)."""
     from streamserve import SamplingParams
-    from streamserve.worker.model_runner import GEMV_MAX_TOKENS
+    from streamserve.worker.model_runner import C_STEP_MAX_TOKENS
 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    long_prompt = list(range(100, 101 + GEMV_MAX_TOKENS))  # its step is over the limit (no cached prefix)
+    long_prompt = list(range(100, 101 + C_STEP_MAX_TOKENS))  # its step is over the limit (no cached prefix)
     prompts = [[5, 6, 7], [8, 9], list(range(3, 40)), long_prompt]
     eager = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="8MiB", enforce_eager=True)
     expected = eager.generate(prompts, params, use_tqdm=False)
@@ -252,23 +274,25 @@ def half_llama_dir(request, llama_dir, tmp_path_factory):
 
 @needs_kernel
 def test_half_precision_model_small_steps_match_transformers(half_llama_dir, monkeypatch):
-    """On a CPU that emulates half-precision GEMMs, large steps run the float32 GEMMs and
-    steps of a few tokens (in one C call) the kernel over the half-size copies: transformers
-    in float32 on the same (rounded) weights is the oracle."""
+    """On a CPU that emulates half-precision GEMMs, every step reads the packed half-size
+    copies through the C GEMM (steps of a few tokens in one C call) and the float32 weights
+    are freed: transformers in float32 on the same (rounded) weights is the oracle."""
     path, dtype = half_llama_dir
     monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: False)
     llm = LLM(path, dtype=str(dtype).split(".")[-1], kv_cache_memory="32MiB")
     runner = llm.engine_core.model_runner
-    assert runner.dtype == torch.float32 and not runner.half_gemms and runner.c_step is not None
-    assert runner.model.lm_head.gemv is kernels.gemv[dtype]
+    assert runner.dtype == torch.float32 and runner.copies_for_all_steps and runner.c_step is not None
+    down = runner.model.layers[0].mlp.down_proj
+    assert down.weight.numel() == 0 and down.low_precision_weight is None and down.packed.dtype == dtype
+    assert runner.model.lm_head.gemm is kernels.gemm[dtype]
     check_parity(llm, path)
 
 
 @needs_kernel
 def test_native_half_gemms_serve_the_large_steps(half_llama_dir, monkeypatch):
-    """Where the CPU has native half-precision GEMMs (AMX), steps too large for the C GEMV
-    read the half-size copies through torch (the float32 weights are freed), small steps
-    still run in one C call; the op-by-op run (enforce_eager) gives the same tokens."""
+    """Where the CPU has native half-precision GEMMs (AMX), steps too large for the C step
+    read row-major half-size copies through torch (the float32 weights are freed), small
+    steps still run in one C call; the op-by-op run (enforce_eager) gives the same tokens."""
     import torch.nn.functional as F
 
     path, dtype = half_llama_dir
@@ -280,7 +304,7 @@ def test_native_half_gemms_serve_the_large_steps(half_llama_dir, monkeypatch):
         prompts, params, use_tqdm=False)
     llm = LLM(path, dtype=name, kv_cache_memory="32MiB")
     runner = llm.engine_core.model_runner
-    assert runner.dtype == torch.float32 and runner.half_gemms and runner.c_step is not None
+    assert runner.dtype == torch.float32 and runner.copies_for_all_steps and runner.c_step is not None
     down = runner.model.layers[0].mlp.down_proj
     assert down.weight.numel() == 0 and down.low_precision_weight.dtype == dtype  # float32 copy freed
     weights, real = [], F.linear
@@ -324,7 +348,7 @@ def test_gguf_blocks_load_where_only_the_half_copies_are_kept(half_llama_dir, tm
     assert_same_greedy(llm.generate([[5, 6, 7]], params, use_tqdm=False),
                        [tokens_and_logprobs(want) for want in expected])
     with pytest.raises(ValueError, match="do not hold"):
-        down.keep_quantized(QuantizedWeight.random("q4_1", down.low_precision_weight.shape[0], 32, gen), None, 2)
+        down.keep_quantized(QuantizedWeight.random("q4_1", down.out_features, 32, gen), None, 2)
     layer = Linear(64, 8, bias=False)
     bad = QuantizedWeight("q4_1", torch.zeros(8, 2 * 20 + 3, dtype=torch.uint8))  # not whole blocks
     with pytest.raises(ValueError, match="do not hold"):

@@ -1,19 +1,10 @@
 /* The CPU path's C kernels, built and loaded by cpu_kernels.py. Needs AVX2 + FMA (+ F16C).
  *
- * gemv_bf16 / gemv_f16: matrix times a few vectors for the CPU's small steps: y = x @ w.T with x float32 [M, K]
- * (M small), w bfloat16 or float16 [N, K] (row-major, as nn.Linear keeps it), y float32 [M, N].
- *
- * A step of a few tokens reads every weight once, so it is bound by memory bandwidth.
- * Reading half-size weights and widening them in registers (bfloat16: a 16-bit shift;
- * float16: F16C) halves the bytes of a float32 GEMV, and unlike oneDNN's emulated
- * bfloat16 path on CPUs without AVX512-BF16, it costs no extra passes over memory.
- * Rows of w are split across OpenMP threads (the same runtime torch uses) in threes;
- * each three are read once for all M vectors, taken four at a time, with the 3 x 4
- * float32 accumulators in registers, while the rows two tiles ahead are prefetched
- * (about 20% more bandwidth than the hardware prefetcher alone reaches on short rows).
- * From about four vectors on, the arithmetic bounds it rather than memory; on this
- * project's AVX2 machine it still outruns torch's float32 GEMM up to ~100 vectors
- * (scripts/bench_gemv.py), so the runner uses it for steps of up to 96 tokens.
+ * gemm_packed_bf16 / f16 / f32: y = x @ w.T for every CPU step, x float32 [M, K], w packed in
+ * panels of 16 rows (see the section below), bfloat16 and float16 weights widened in registers:
+ * half the bytes of float32 weights for the steps of a few tokens, which are bound by reading
+ * the weights, and unlike oneDNN's emulated bfloat16 path on CPUs without AVX512-BF16, no extra
+ * passes over memory. Larger steps are bound by the FMA units, which the panel tiles keep busy.
  *
  * gemv_q4_0 / q4_1 / q8_0 / q4_k: the same product over GGUF's quantized blocks, taken in
  * integers against the vectors scaled to int16 per block (see the section below), for the
@@ -35,22 +26,8 @@
 #include <omp.h>
 #include <stdlib.h>
 
-static inline __m256 widen_bf16(const uint16_t *p) {
-    __m128i h = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 static inline __m256 widen_f16(const uint16_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-}
-
-static inline float scalar_bf16(uint16_t h) {
-    union { uint32_t u; float f; } v = { (uint32_t)h << 16 };
-    return v.f;
-}
-
-static inline float scalar_f16(uint16_t h) {
-    return _cvtsh_ss(h);
 }
 
 static inline float hsum(__m256 v) {
@@ -60,43 +37,100 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* A tile of the product: NR rows of w (wr, K apart) against MR vectors of x (xb, K apart),
- * into y (yb, rows N apart). MR and NR are constants at every call (always inlined), so the
- * MR x NR float32 accumulators stay in registers: each weight vector loaded is used MR times
- * and each x vector NR times, where one row against one vector at a time would be bound by
- * loads and by spilled accumulators. `ahead`, when set, is prefetched one line per step
- * (the next rows, for the memory-bound single-vector case). */
-#define DEFINE_TILE(NAME, T, WIDEN, SCALAR)                                                       \
+/* ---- Float weights, packed in panels -------------------------------------------------------
+ *
+ * gemm_packed_{bf16,f16,f32}: y = x @ w.T, x float32 [M, K], y float32 [M, N], with w [N, K]
+ * packed (cpu_kernels.py: pack_weight) into panels of 16 rows, k-major: [ceil(N / 16), K, 16],
+ * the last panel padded with zeros. Each 16 weights of one k are 32 bytes in a row: a
+ * bfloat16 panel keeps rows 0-7 in the even and rows 8-15 in the odd halves of its 32-bit
+ * lanes, so a shift and a mask widen them into two vectors of 8 float32 (float16: F16C over
+ * two halves, in order; float32: two loads). For MR rows of x at a time, the tile takes each k
+ * as a broadcast of x[m, k] times those two vectors into 2 x MR accumulators that are the
+ * outputs themselves (no horizontal sums), 12 of the 16 registers at MR = 6: per k, 12 FMAs
+ * against 7 loads, so the FMA units set the pace. On this project's 2-core AVX2 machine that is
+ * ~85% of the cores' FMA peak from 16 rows of x up, where the dot-product tiles it replaced
+ * (rows of w against vectors of x, with a horizontal sum each) reached ~63% and torch's float32
+ * GEMM ~65% (scripts/bench_gemv.py). One token reads every weight once, as before, so a
+ * single-token step stays bound by memory. */
+#define PANEL 16
+#define PANEL_MR 6
+
+static inline void panel_bf16(const uint16_t *p, __m256 *lo, __m256 *hi) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000)));
+}
+
+static inline void panel_f16(const uint16_t *p, __m256 *lo, __m256 *hi) {
+    *lo = widen_f16(p), *hi = widen_f16(p + 8);
+}
+
+static inline void panel_f32(const float *p, __m256 *lo, __m256 *hi) {
+    *lo = _mm256_loadu_ps(p), *hi = _mm256_loadu_ps(p + 8);
+}
+
+/* The accumulators as named variables (in an array, GCC stored them to the stack every k). */
+#define PANEL_FMA(i)                                                                              \
+    if (MR > i) {                                                                                 \
+        const __m256 b = _mm256_broadcast_ss(x + i * K + k);                                      \
+        c##i##0 = _mm256_fmadd_ps(b, lo, c##i##0), c##i##1 = _mm256_fmadd_ps(b, hi, c##i##1);    \
+    }
+#define PANEL_STORE(i)                                                                            \
+    if (MR > i) {                                                                                 \
+        if (cols == PANEL) {                                                                      \
+            _mm256_storeu_ps(y + i * N, c##i##0), _mm256_storeu_ps(y + i * N + 8, c##i##1);       \
+        } else {                                                                                  \
+            float t[PANEL];                                                                       \
+            _mm256_storeu_ps(t, c##i##0), _mm256_storeu_ps(t + 8, c##i##1);                       \
+            for (long j = 0; j < cols; j++) y[i * N + j] = t[j];                                  \
+        }                                                                                         \
+    }
+
+/* MR (<= PANEL_MR, a constant at every call) rows of x (K apart) against one panel, into the
+ * panel's `cols` columns of y (rows N apart). */
+#define DEFINE_PANEL_TILE(NAME, T, LOAD)                                                          \
     static inline __attribute__((always_inline)) void NAME(                                       \
-        const float *xb, const T *wr, float *yb, long K, long N, const int MR, const int NR,       \
-        const char *ahead) {                                                                      \
-        /* two accumulator sets (alternate 8-wide steps) only where few chains would otherwise  \
-         * wait on each FMA's latency; more would not fit in the 16 registers */                \
-        const int H = MR * NR < 4 ? 2 : 1;                                                        \
-        __m256 acc[4][3][2];                                                                      \
-        for (int m = 0; m < MR; m++)                                                              \
-            for (int r = 0; r < NR; r++) acc[m][r][0] = acc[m][r][1] = _mm256_setzero_ps();        \
-        long k = 0;                                                                               \
-        for (; k + 16 <= K; k += 16) {                                                            \
-            if (ahead)                                                                            \
-                for (int r = 0; r < NR; r++) _mm_prefetch(ahead + sizeof(T) * (r * K + k), _MM_HINT_T0); \
-            for (int h = 0; h < 2; h++) {                                                         \
-                __m256 w[3];                                                                      \
-                for (int r = 0; r < NR; r++) w[r] = WIDEN(wr + r * K + k + 8 * h);                \
-                for (int m = 0; m < MR; m++) {                                                    \
-                    const __m256 xv = _mm256_loadu_ps(xb + m * K + k + 8 * h);                    \
-                    for (int r = 0; r < NR; r++)                                                  \
-                        acc[m][r][h % H] = _mm256_fmadd_ps(xv, w[r], acc[m][r][h % H]);           \
+        const float *x, const T *w, float *y, long K, long N, long cols, const int MR) {           \
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;   \
+        __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;                   \
+        for (long k = 0; k < K; k++) {                                                            \
+            __m256 lo, hi;                                                                        \
+            LOAD(w + k * PANEL, &lo, &hi);                                                        \
+            PANEL_FMA(0) PANEL_FMA(1) PANEL_FMA(2) PANEL_FMA(3) PANEL_FMA(4) PANEL_FMA(5)         \
+        }                                                                                         \
+        PANEL_STORE(0) PANEL_STORE(1) PANEL_STORE(2) PANEL_STORE(3) PANEL_STORE(4) PANEL_STORE(5) \
+    }
+
+/* Panels across the OpenMP threads (the same runtime torch uses), for rows of x in blocks of
+ * 96 (a block's rows stay in the cache while every panel passes them). */
+#define DEFINE_PACKED_GEMM(NAME, T, LOAD)                                                         \
+    DEFINE_PANEL_TILE(NAME##_tile, T, LOAD)                                                       \
+    void NAME(const float *x, const T *w, float *y, long M, long N, long K) {                     \
+        const long panels = (N + PANEL - 1) / PANEL;                                              \
+        for (long m0 = 0; m0 < M; m0 += 16 * PANEL_MR) {                                          \
+            const long m1 = m0 + 16 * PANEL_MR < M ? m0 + 16 * PANEL_MR : M;                      \
+            _Pragma("omp parallel for schedule(static) if (panels > 1)")                          \
+            for (long p = 0; p < panels; p++) {                                                   \
+                const long n = p * PANEL, cols = N - n < PANEL ? N - n : PANEL;                   \
+                const T *wp = w + n * K;                                                          \
+                long m = m0;                                                                      \
+                for (; m + PANEL_MR <= m1; m += PANEL_MR) NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 6); \
+                switch (m1 - m) {                                                                 \
+                case 5: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 5); break;          \
+                case 4: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 4); break;          \
+                case 3: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 3); break;          \
+                case 2: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 2); break;          \
+                case 1: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 1); break;          \
                 }                                                                                 \
             }                                                                                     \
         }                                                                                         \
-        for (int m = 0; m < MR; m++)                                                              \
-            for (int r = 0; r < NR; r++) {                                                        \
-                float sum = hsum(_mm256_add_ps(acc[m][r][0], acc[m][r][1]));                      \
-                for (long kk = k; kk < K; kk++) sum += xb[m * K + kk] * SCALAR(wr[r * K + kk]);   \
-                yb[m * N + r] = sum;                                                              \
-            }                                                                                     \
     }
+
+DEFINE_PACKED_GEMM(gemm_packed_bf16, uint16_t, panel_bf16)
+DEFINE_PACKED_GEMM(gemm_packed_f16, uint16_t, panel_f16)
+DEFINE_PACKED_GEMM(gemm_packed_f32, float, panel_f32)
+
+/* ---- The dot-product tiles the quantized GEMVs share ---------------------------------------- */
 
 /* y = x @ w.T over rows [n, n + NR) of w for all M vectors: four at a time, then the rest.
  * X: what the tiles read the vectors from (XT; XAT(x, m0, K): from vector m0 on); STRIDE(K):
@@ -126,16 +160,6 @@ static inline float hsum(__m256 v) {
         if (N % 3 == 2) NAME##_rows(x, w + (N - 2) * S, y, M, N, K, N - 2, 2);                    \
         if (N % 3 == 1) NAME##_rows(x, w + (N - 1) * S, y, M, N, K, N - 1, 1);                    \
     }
-
-#define ELEMENTS(K) (K)
-#define FLOAT_ROWS(x, m0, K) ((x) + (m0) * (K))
-#define DEFINE_GEMV(NAME, T, WIDEN, SCALAR)                                                       \
-    DEFINE_TILE(NAME##_tile, T, WIDEN, SCALAR)                                                    \
-    DEFINE_GEMV_OF(NAME, const float *, FLOAT_ROWS, T, NAME##_tile, ELEMENTS)
-
-DEFINE_GEMV(gemv_bf16, uint16_t, widen_bf16, scalar_bf16)
-DEFINE_GEMV(gemv_f16, uint16_t, widen_f16, scalar_f16)
-DEFINE_GEMV(gemv_f32, float, _mm256_loadu_ps, (float))
 
 /* ---- GGUF's quantized blocks -------------------------------------------------------------
  *
@@ -264,9 +288,12 @@ static inline void widen_q4_k(const BlockQ4_K *b, int s, __m256i *lo, __m256i *h
     *lo = s % 2 ? _mm256_srli_epi16(a, 4) : _mm256_and_si256(a, low4);
     *hi = s % 2 ? _mm256_srli_epi16(c, 4) : _mm256_and_si256(c, low4);
 }
-/* As DEFINE_TILE, over blocks of SUB sub-blocks of 32: each row's block is widened once for all
- * MR vectors, whose int16 blocks of 32 start at x16 (K apart), with their scales and sums at
- * sx, xsum (K / 32 apart). */
+/* A tile of the quantized product: NR rows of w (wr, K / 32 / SUB blocks apart) against MR
+ * vectors of x into y (yb, rows N apart), over blocks of SUB sub-blocks of 32: each row's block
+ * is widened once for all MR vectors, whose int16 blocks of 32 start at x16 (K apart), with
+ * their scales and sums at sx, xsum (K / 32 apart). The MR x NR accumulators stay in registers
+ * (MR, NR constants at every call); `ahead`, when set, is prefetched (the next rows, for the
+ * memory-bound single-vector case). */
 #define DEFINE_QTILE(NAME, BLOCK, SUB, SCALES, WIDEN, HAS_MINIMUM)                                \
     static inline __attribute__((always_inline)) void NAME(                                       \
         const QuantX *qx, const BLOCK *wr, float *yb, long K, long N, const int MR, const int NR,  \
@@ -338,13 +365,13 @@ enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1, WEIGHT_F16 = 2, WEIGHT_Q4_0 = 3, WEIGHT_
 /* Returns 0, or -1 when a quantized GEMV found no memory for its int16 activations. */
 static int gemv_any(long type, const float *x, const void *w, float *y, long M, long N, long K) {
     switch (type) {
-    case WEIGHT_BF16: gemv_bf16(x, (const uint16_t *)w, y, M, N, K); return 0;
-    case WEIGHT_F16: gemv_f16(x, (const uint16_t *)w, y, M, N, K); return 0;
+    case WEIGHT_BF16: gemm_packed_bf16(x, (const uint16_t *)w, y, M, N, K); return 0;
+    case WEIGHT_F16: gemm_packed_f16(x, (const uint16_t *)w, y, M, N, K); return 0;
     case WEIGHT_Q4_0: return gemv_q4_0(x, (const BlockQ4_0 *)w, y, M, N, K);
     case WEIGHT_Q4_1: return gemv_q4_1(x, (const BlockQ4_1 *)w, y, M, N, K);
     case WEIGHT_Q8_0: return gemv_q8_0(x, (const BlockQ8_0 *)w, y, M, N, K);
     case WEIGHT_Q4_K: return gemv_q4_k(x, (const BlockQ4_K *)w, y, M, N, K);
-    default: gemv_f32(x, (const float *)w, y, M, N, K); return 0;
+    default: gemm_packed_f32(x, (const float *)w, y, M, N, K); return 0;
     }
 }
 
