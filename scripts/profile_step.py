@@ -4,7 +4,7 @@
     python scripts/profile_step.py --batch 64 --prompt-len 300
     python scripts/profile_step.py --enforce-eager    # the op-by-op path (no one-call C step)
 
-On the CPU a step of up to 96 tokens runs its layers in one C call, which the profiler
+On the CPU a step of up to 256 tokens runs its layers in one C call, which the profiler
 sees as none of its ops: the op time it lists is what remains around it.
 """
 

@@ -319,7 +319,7 @@ class StepForward:
         self._model_ref = ctypes.byref(self._model)
         per_token = kernels.lib.step_scratch_floats
         per_token.argtypes, per_token.restype = [ctypes.c_void_p], ctypes.c_long
-        # the step's activations, allocated once (an 8B model at 96 tokens needs ~24 MB)
+        # the step's activations, allocated once (an 8B model at 256 tokens needs ~64 MB)
         self._scratch = torch.empty(max_tokens * per_token(self._model_ref))
 
     @staticmethod

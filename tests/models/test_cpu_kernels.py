@@ -216,16 +216,19 @@ def test_float32_model_uses_the_c_norm_and_decode_attention(llama_dir, monkeypat
 @needs_kernel
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # the q/k/v bias; the per-head q/k norms
 def test_small_steps_in_one_c_call_match_op_by_op(model_dirs, arch, monkeypatch):
-    """By default every step of at most C_STEP_MAX_TOKENS tokens runs as one C call
-    (StepForward), prefill chunks too, and larger steps op by op: the tokens and logprobs
-    equal the op-by-op run's (the transformers parity tests check the default path on every
-    architecture, with chunked prefill, prefix caching and preemption)."""
+    """By default every step of at most C_STEP_MAX_TOKENS tokens whose prefill tokens see at
+    most C_STEP_MAX_PREFILL_KEYS keys in all runs as one C call (StepForward), prefill chunks
+    too, and other steps op by op: the tokens and logprobs equal the op-by-op run's (the
+    transformers parity tests check the default path on every architecture, with chunked
+    prefill, prefix caching and preemption)."""
     from streamserve import SamplingParams
-    from streamserve.worker.model_runner import C_STEP_MAX_TOKENS
 
+    monkeypatch.setattr(model_runner, "C_STEP_MAX_TOKENS", 64)
+    monkeypatch.setattr(model_runner, "C_STEP_MAX_PREFILL_KEYS", 1000)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-    long_prompt = list(range(100, 101 + C_STEP_MAX_TOKENS))  # its step is over the limit (no cached prefix)
-    prompts = [[5, 6, 7], [8, 9], list(range(3, 40)), long_prompt]
+    prompts = [[5, 6, 7], [8, 9], list(range(3, 40)),
+               list(range(100, 165)),  # 65 tokens: over the token limit
+               list(range(200, 250))]  # 50 tokens seeing 1275 keys: over the keys limit
     eager = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="8MiB", enforce_eager=True)
     expected = eager.generate(prompts, params, use_tqdm=False)
     llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="8MiB")
@@ -233,10 +236,11 @@ def test_small_steps_in_one_c_call_match_op_by_op(model_dirs, arch, monkeypatch)
     real = cpu_kernels.StepForward.__call__
     monkeypatch.setattr(cpu_kernels.StepForward, "__call__",
                         lambda self, ids, *rest: sizes.append(len(ids)) or real(self, ids, *rest))
-    outputs = llm.generate(prompts[:3], params, use_tqdm=False) + llm.generate(prompts[3:], params, use_tqdm=False)
-    # the three short prompts' step (42 tokens), 11 decode steps of all three; the long prompt's
-    # step ran op by op, then its 11 decode steps
-    assert sizes == [42] + [3] * 11 + [1] * 11
+    outputs = [out for prompt in ([prompts[:3]] + [[p] for p in prompts[3:]])
+               for out in llm.generate(prompt, params, use_tqdm=False)]
+    # the three short prompts' step (42 tokens: 3 + 2 + 37, 6 + 3 + 703 keys), 11 decode steps
+    # of all three; each long prompt's step ran op by op, then its 11 decode steps
+    assert sizes == [42] + [3] * 11 + [1] * 11 + [1] * 11
     assert_same_greedy(outputs, [tokens_and_logprobs(want) for want in expected])
 
 
@@ -298,8 +302,9 @@ def test_native_half_gemms_serve_the_large_steps(half_llama_dir, monkeypatch):
     path, dtype = half_llama_dir
     name = str(dtype).split(".")[-1]
     monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: True)
+    monkeypatch.setattr(model_runner, "C_STEP_MAX_TOKENS", 64)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    prompts = [list(range(100, 200)), [5, 6, 7]]  # one step of 103 tokens, then decode steps
+    prompts = [list(range(100, 200)), [5, 6, 7]]  # one step of 103 tokens (over 64), then decode steps
     expected = LLM(path, dtype=name, kv_cache_memory="32MiB", enforce_eager=True).generate(
         prompts, params, use_tqdm=False)
     llm = LLM(path, dtype=name, kv_cache_memory="32MiB")
