@@ -1,7 +1,7 @@
-"""The CPU path's C kernels (csrc/cpu_kernels.c): the small-step GEMV over half-size
-weights and over GGUF's quantized blocks, RMSNorm (with the residual add) in one call,
-decode attention read straight from the paged KV cache, and a whole small step of the
-model in one call (`StepForward`).
+"""The CPU path's C kernels (csrc/cpu_kernels.c): the GEMM every step runs over weights
+packed in panels (`pack_weight`), the GEMV over GGUF's quantized blocks for the smallest
+steps, RMSNorm (with the residual add) in one call, decode attention read straight from the
+paged KV cache, and a whole step of up to a few hundred tokens in one call (`StepForward`).
 
 Built once per machine with the system C compiler into `$STREAMSERVE_CACHE/kernels`
 (a second or two), then loaded with ctypes, which releases the GIL during each call.
@@ -63,6 +63,13 @@ def pack_weight(w: torch.Tensor) -> PackedWeight:
     else:
         packed = padded.view(panels, PANEL, k).transpose(1, 2)
     return PackedWeight(packed.contiguous().view(panels, k, PANEL), n)
+
+
+def packed_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight `w` packs, as float32 [len(ids), K] (an embedding lookup)."""
+    j = ids % PANEL
+    place = 2 * (j % (PANEL // 2)) + j // (PANEL // 2) if w.dtype == torch.bfloat16 else j
+    return w.panels[ids // PANEL, :, place].float()
 
 
 def _usable() -> Optional[str]:
@@ -261,8 +268,8 @@ class _StepModel(ctypes.Structure):
 
 
 class StepForward:
-    """A step of a few tokens through a Llama-family model (models/llama.py) in one C call:
-    `step_forward_f32` runs every layer with the same GEMV, RMSNorm and decode attention
+    """A step of up to `max_tokens` tokens through a Llama-family model (models/llama.py) in one
+    C call: `step_forward_f32` runs every layer with the same GEMM, RMSNorm and decode attention
     kernels the Python path calls, and the small ops between them (bias, q/k norms, rotary,
     the KV cache write, SiLU-and-mul) in C, without returning to Python in between. Each
     token, a decode or one of a prefill chunk, attends as a decode row over its sequence's
@@ -328,7 +335,7 @@ class StepForward:
         arch = model.arch
         if not fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim) or arch.head_dim % 2:
             return f"heads {arch.num_heads}/{arch.num_kv_heads} of {arch.head_dim}"
-        floats = [model.norm.weight, model.rotary.cos_sin_cache, model.embed_tokens.weight, *kv_caches]
+        floats = [model.norm.weight, model.rotary.cos_sin_cache, *kv_caches]
         for layer in model.layers:
             attn = layer.self_attn
             floats += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]

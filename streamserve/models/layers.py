@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamserve.models.cpu_kernels import pack_weight
+from streamserve.models.cpu_kernels import pack_weight, packed_rows
 from streamserve.models.quantized import BLOCKS
 
 
@@ -109,6 +109,18 @@ class Linear(nn.Module):
         if self.weight.numel() == 0:
             raise RuntimeError("this layer keeps only copies of its weight: call it with low_precision")
         return F.linear(x, self.weight, self.bias)
+
+
+class PackedEmbedding(nn.Module):
+    """A tied embedding read from its head's packed copy (Linear.packed): the same values as
+    the checkpoint's (the copy is in its dtype), so its float32 weight need not be kept."""
+
+    def __init__(self, packed) -> None:
+        super().__init__()
+        self.packed = packed
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return packed_rows(self.packed, input_ids)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

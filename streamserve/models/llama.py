@@ -19,7 +19,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from streamserve.models.layers import AttentionFn, ForwardContext, Linear, RMSNorm, RotaryEmbedding, silu_and_mul
+from streamserve.models.layers import (AttentionFn, ForwardContext, Linear, PackedEmbedding, RMSNorm,
+                                       RotaryEmbedding, silu_and_mul)
 from streamserve.models.quantized import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -186,11 +187,14 @@ class LlamaForCausalLM(nn.Module):
         """Keep `dtype` copies of every linear weight (Linear.keep_copies): packed for the C GEMM
         `gemm` when given, for up to `packed_max_rows` rows, and row-major for torch when
         `row_major`. With `drop_full` (every step reads the copies), free the full-precision
-        weights, but the embedding's, which a tied head shares."""
+        weights; a tied embedding's too where the head's packed copy can serve its lookups."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.keep_copies(dtype, gemm, packed_max_rows, row_major,
                                    drop_full and module.weight is not self.embed_tokens.weight)
+        if drop_full and self.arch.tie_word_embeddings and self.lm_head.packed is not None:
+            self.embed_tokens = PackedEmbedding(self.lm_head.packed)
+            self.lm_head.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def keep_quantized(self, weights: dict, gemvs: dict, max_rows: int) -> list[str]:
         """Give each linear layer whose checkpoint tensors are all in `weights` (Hugging Face

@@ -121,8 +121,9 @@ class ModelRunner:
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
         if self.c_kernels is not None:
             # Every step reads packed copies (in the checkpoint's dtype) through the C GEMM, but
-            # where torch's native half-precision GEMMs (AMX) take the steps above C_STEP_MAX_TOKENS
-            # from row-major copies; either way the float32 weights go.
+            # where torch's native half-precision GEMMs (AMX) take the GEMMs of more than
+            # C_STEP_MAX_TOKENS rows from row-major copies; either way the float32 weights go
+            # (a tied embedding's lookups then read the head's packed copy).
             copy, native = low_precision or torch.float32, low_precision is not None and native_half
             self.model.keep_copies(copy, self.c_kernels.gemm[copy], C_STEP_MAX_TOKENS if native else sys.maxsize,
                                    row_major=native, drop_full=True)
@@ -156,7 +157,7 @@ class ModelRunner:
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [self._zeros(shape) for _ in range(arch.num_layers)]
-        # On the CPU, steps of a few tokens run in one C call (what CUDA graphs are on a GPU).
+        # On the CPU, steps of up to C_STEP_MAX_TOKENS tokens run in one C call (what CUDA graphs are on a GPU).
         self.c_step: Optional[cpu_kernels.StepForward] = None
         if self.c_kernels is not None and not config.device.enforce_eager:
             reason = cpu_kernels.StepForward.unsupported(self.model, self.kv_caches)

@@ -1,5 +1,5 @@
 """The CPU's C kernels: the packed GEMM (float32 vectors, weights packed in panels) against float64 math,
-RMSNorm against the torch layer, and a bfloat16 model whose small steps run on the GEMV
+RMSNorm against the torch layer, and half-precision models whose steps run on the packed GEMM
 against transformers (the float32 parity tests run the C RMSNorm throughout)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from parity import assert_same_greedy, check_parity, tokens_and_logprobs
 from streamserve import LLM, SamplingParams
 from streamserve.models import cpu_kernels
-from streamserve.models.layers import RMSNorm
+from streamserve.models.layers import PackedEmbedding, RMSNorm
 from streamserve.models.quantized import BLOCKS, QuantizedWeight
 from streamserve.worker import model_runner
 
@@ -48,6 +48,14 @@ def test_packed_gemm_reads_strided_input_and_refuses_a_mismatch():
         kernels.gemm[torch.float16](x, w)  # panels of another dtype
     with pytest.raises(ValueError, match="packed GEMM"):
         kernels.gemm[torch.bfloat16](torch.randn(4, 63), w)  # another K
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_packed_rows_are_the_weights_rows(dtype):
+    w = torch.randn(37, 9).to(dtype)
+    ids = torch.tensor([0, 7, 8, 15, 16, 36, 36, 23])
+    rows = cpu_kernels.packed_rows(cpu_kernels.pack_weight(w), ids)
+    assert rows.dtype == torch.float32 and torch.equal(rows, w[ids].float())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -288,7 +296,11 @@ def test_half_precision_model_small_steps_match_transformers(half_llama_dir, mon
     assert runner.dtype == torch.float32 and runner.copies_for_all_steps and runner.c_step is not None
     down = runner.model.layers[0].mlp.down_proj
     assert down.weight.numel() == 0 and down.low_precision_weight is None and down.packed.dtype == dtype
-    assert runner.model.lm_head.gemm is kernels.gemm[dtype]
+    head = runner.model.lm_head
+    assert head.gemm is kernels.gemm[dtype]
+    # the tied embedding's lookups read the head's packed copy: no float32 weight is left
+    assert isinstance(runner.model.embed_tokens, PackedEmbedding) and head.weight.numel() == 0
+    assert not any(p.dtype == torch.float32 and p.dim() == 2 and p.numel() for p in runner.model.parameters())
     check_parity(llm, path)
 
 

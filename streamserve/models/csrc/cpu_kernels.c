@@ -17,7 +17,7 @@
  * paged_decode_attention_f32: the decode rows' attention read straight from the paged cache,
  * where torch first gathers every sequence's blocks into a padded copy and masks it.
  *
- * step_forward_f32: a whole step of a few tokens through every layer of a Llama-family model.
+ * step_forward_f32: a whole step (up to a few hundred tokens) through every layer of a Llama-family model.
  */
 #include <immintrin.h>
 #include <float.h>
@@ -645,9 +645,9 @@ void paged_decode_attention_f32(const float *q, long q_row_stride, const float *
     }
 }
 
-/* ---- A small step of a Llama-family model in one call -----------------------------------
+/* ---- A step of a Llama-family model in one call -------------------------------------------
  *
- * What the Python path runs for a step of a few tokens, op for op (the same GEMV, RMSNorm and
+ * What the Python path runs for a step, op for op (the same GEMM, RMSNorm and
  * attention kernels as above), without a return to Python between them: on a 2-core machine
  * the hundreds of small torch ops and calls a step makes in Python cost about as much as
  * reading the weights (see cpu_kernels.py: StepForward). Every token, a decode or one of a
