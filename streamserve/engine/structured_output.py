@@ -498,8 +498,7 @@ def _by_first(union: Node) -> dict[str, tuple[Node, ...]]:
         if node.kind == UNION:
             pending += node.alternatives
             continue
-        firsts = {text[:1] for text in node.texts} if node.kind == LITERALS else _FIRST[node.kind]
-        for ch in firsts:
+        for ch in _first_characters(node):
             found.setdefault(ch, []).append(node)
     return {ch: tuple(nodes) for ch, nodes in found.items()}
 
@@ -632,7 +631,7 @@ class Vocabulary:
         no token spells) the ends are, so that the request stops rather than go on astray."""
         masks = [self._mask(state) for state in states]
         mask = masks[0] if len(masks) == 1 else np.logical_or.reduce(masks)
-        whole = any(map(accepting, states))
+        whole = is_complete(states)
         if whole or not mask.any():
             if not whole:
                 logger.warning("structured output: no token can go on from the output so far (a character no "
@@ -650,7 +649,7 @@ class Vocabulary:
         after = advance(states, text) if text is not None else None
         if after is not None:
             return after
-        if not any(map(accepting, states)):
+        if not is_complete(states):
             logger.error("structured output: token %d (%r) cannot follow the output; stopping the request",
                          token_id, text)
         return (FINISHED,)

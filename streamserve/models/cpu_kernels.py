@@ -49,27 +49,29 @@ class PackedWeight(NamedTuple):
         return self.panels.dtype
 
 
+def _places(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Where rows (0-15) of a panel lie among the 16 weights of one k: in order, but bfloat16
+    ones interleaved (rows 0-7 in the even places, 8-15 in the odd) so that a shift and a mask
+    widen them in order (csrc/cpu_kernels.c: panel_bf16)."""
+    half = PANEL // 2
+    return 2 * (rows % half) + rows // half if dtype == torch.bfloat16 else rows
+
+
 def pack_weight(w: torch.Tensor) -> PackedWeight:
     """w [N, K] (float32, bfloat16 or float16) in panels of 16 rows, k-major, the last padded
-    with zero rows: the 16 weights of one k of a panel lie side by side, bfloat16 ones
-    interleaved (rows 0-7 in the even places, 8-15 in the odd) so that a shift and a mask
-    widen them in order (csrc/cpu_kernels.c: panel_bf16)."""
+    with zero rows: the 16 weights of one k of a panel lie side by side (_places)."""
     n, k = w.shape
     panels = -(-n // PANEL)
     padded = torch.zeros(panels * PANEL, k, dtype=w.dtype)
     padded[:n] = w
-    if w.dtype == torch.bfloat16:  # [P, 2, 8, K] -> [P, K, 8, 2]
-        packed = padded.view(panels, 2, PANEL // 2, k).permute(0, 3, 2, 1)
-    else:
-        packed = padded.view(panels, PANEL, k).transpose(1, 2)
-    return PackedWeight(packed.contiguous().view(panels, k, PANEL), n)
+    packed = torch.empty(panels, k, PANEL, dtype=w.dtype)
+    packed[:, :, _places(torch.arange(PANEL), w.dtype)] = padded.view(panels, PANEL, k).transpose(1, 2)
+    return PackedWeight(packed, n)
 
 
 def packed_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the weight `w` packs, as float32 [len(ids), K] (an embedding lookup)."""
-    j = ids % PANEL
-    place = 2 * (j % (PANEL // 2)) + j // (PANEL // 2) if w.dtype == torch.bfloat16 else j
-    return w.panels[ids // PANEL, :, place].float()
+    return w.panels[ids // PANEL, :, _places(ids % PANEL, w.dtype)].float()
 
 
 def _usable() -> Optional[str]:

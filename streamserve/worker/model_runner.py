@@ -112,7 +112,6 @@ class ModelRunner:
         self.model = load_model(config.model, self.device, self.dtype)
         self.to_device = HostStaging(self.device)  # numpy array -> device tensor
         self.low_precision_max_tokens = 0  # steps up to this many tokens read the weight copies
-        self.copies_for_all_steps = False  # every step does (the C GEMM, or native half GEMMs above its steps)
         self.c_kernels = kernels if c_ok and self.dtype == torch.float32 else None
         if self.c_kernels is not None:
             self.model.use_norm_kernels(kernels)
@@ -127,7 +126,7 @@ class ModelRunner:
             copy, native = low_precision or torch.float32, low_precision is not None and native_half
             self.model.keep_copies(copy, self.c_kernels.gemm[copy], C_STEP_MAX_TOKENS if native else sys.maxsize,
                                    row_major=native, drop_full=True)
-            self.copies_for_all_steps = True
+            self.low_precision_max_tokens = sys.maxsize
             name = str(copy).removeprefix("torch.")
             logger.info("computing in float32 from packed %s weights, read by the C GEMM for %s", name,
                         f"steps of at most {C_STEP_MAX_TOKENS} tokens and by torch's native {name} GEMMs above"
@@ -311,9 +310,9 @@ class ModelRunner:
         return result
 
     def _reads_copies(self, rows: int) -> bool:
-        """Whether GEMMs over this many rows read the compact weights: the half-size copies, or a
+        """Whether GEMMs over this many rows read the weights' copies (packed, or half-size), or a
         GGUF model's blocks (each Linear takes those up to its quant_max_rows)."""
-        return self.copies_for_all_steps or rows <= self.low_precision_max_tokens
+        return rows <= self.low_precision_max_tokens
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:

@@ -4,6 +4,8 @@ against transformers (the float32 parity tests run the C RMSNorm throughout)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -293,7 +295,7 @@ def test_half_precision_model_small_steps_match_transformers(half_llama_dir, mon
     monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: False)
     llm = LLM(path, dtype=str(dtype).split(".")[-1], kv_cache_memory="32MiB")
     runner = llm.engine_core.model_runner
-    assert runner.dtype == torch.float32 and runner.copies_for_all_steps and runner.c_step is not None
+    assert runner.dtype == torch.float32 and runner.low_precision_max_tokens == sys.maxsize and runner.c_step is not None
     down = runner.model.layers[0].mlp.down_proj
     assert down.weight.numel() == 0 and down.low_precision_weight is None and down.packed.dtype == dtype
     head = runner.model.lm_head
@@ -321,7 +323,7 @@ def test_native_half_gemms_serve_the_large_steps(half_llama_dir, monkeypatch):
         prompts, params, use_tqdm=False)
     llm = LLM(path, dtype=name, kv_cache_memory="32MiB")
     runner = llm.engine_core.model_runner
-    assert runner.dtype == torch.float32 and runner.copies_for_all_steps and runner.c_step is not None
+    assert runner.dtype == torch.float32 and runner.low_precision_max_tokens == sys.maxsize and runner.c_step is not None
     down = runner.model.layers[0].mlp.down_proj
     assert down.weight.numel() == 0 and down.low_precision_weight.dtype == dtype  # float32 copy freed
     weights, real = [], F.linear
