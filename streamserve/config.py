@@ -129,6 +129,10 @@ class CacheConfig:
         "help": "share of GPU memory the engine may use (weights, activations and KV cache)"})
     num_gpu_blocks_override: Optional[int] = field(default=None, metadata={
         "help": "fix the number of KV blocks outright, on any device"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "auto, float32 or float16: what the KV cache holds. auto: float16 on the CPU for a "
+                "16-bit checkpoint (the C kernels read it: half the memory and bytes of float32), "
+                "else the dtype the model computes in; float16 with float32 compute needs the CPU's C kernels"})
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -137,6 +141,8 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization ({self.gpu_memory_utilization}) must be in (0, 1]")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override ({self.num_gpu_blocks_override}) must be >= 1")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16"):
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} must be auto, float32 or float16")
         if self.kv_cache_memory is not None and parse_size(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory ({self.kv_cache_memory}) must be a positive size")
 

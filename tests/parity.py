@@ -43,15 +43,42 @@ def hf_reference(model_dir: str, num_prompts: int = 9, new_tokens: int = NEW_TOK
     return refs
 
 
-def check_parity(llm: LLM, model_dir: str, num_prompts: int = 9, new_tokens: int = NEW_TOKENS) -> None:
+@functools.lru_cache(maxsize=None)
+def hf_prompt_logprobs(model_dir: str, num_prompts: int = 9) -> list[list[float]]:
+    """transformers' log-softmax of each parity prompt's tokens after the first, given the ones before."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    refs = []
+    for prompt in parity_prompts()[:num_prompts]:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0, :-1]
+        refs.append(torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist())
+    return refs
+
+
+def check_prompt_logprobs(llm: LLM, model_dir: str, tol: float, num_prompts: int = 9) -> None:
+    """The parity prompts' prompt logprobs (teacher-forced: no greedy choice can tip a near tie
+    one way) within `tol` of transformers'."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompts = parity_prompts()[:num_prompts]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for i, (prompt, output, ref) in enumerate(zip(prompts, outputs, hf_prompt_logprobs(model_dir, num_prompts))):
+        got = [entry[t].logprob for entry, t in zip(output.prompt_logprobs[1:], prompt[1:])]
+        worst = max(abs(a - b) for a, b in zip(got, ref))
+        assert len(got) == len(ref) and worst < tol, f"prompt {i}: prompt logprobs differ by up to {worst:.2g}"
+
+
+def check_parity(llm: LLM, model_dir: str, num_prompts: int = 9, new_tokens: int = NEW_TOKENS,
+                 logprob_tol: float = 1e-4) -> None:
     """The first `num_prompts` parity prompts, `new_tokens` each: tokens identical, logprobs
-    within 1e-4."""
+    within `logprob_tol`."""
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=0)
     prompts = [{"prompt_token_ids": p} for p in parity_prompts()[:num_prompts]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     refs = hf_reference(model_dir, num_prompts, new_tokens)
     assert len(outputs) == num_prompts
-    assert_same_greedy(outputs, refs)
+    assert_same_greedy(outputs, refs, logprob_tol)
 
 
 def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
@@ -60,10 +87,11 @@ def tokens_and_logprobs(output) -> tuple[list[int], list[float]]:
     return sample.token_ids, [sample.logprobs[j][t].logprob for j, t in enumerate(sample.token_ids)]
 
 
-def assert_same_greedy(outputs, refs: list[tuple[list[int], list[float]]]) -> None:
-    """Each output's tokens identical to its reference's, logprobs within 1e-4."""
+def assert_same_greedy(outputs, refs: list[tuple[list[int], list[float]]], logprob_tol: float = 1e-4) -> None:
+    """Each output's tokens identical to its reference's, logprobs within `logprob_tol`."""
     assert len(outputs) == len(refs)
     for i, (output, (ref_tokens, ref_logprobs)) in enumerate(zip(outputs, refs)):
         tokens, logprobs = tokens_and_logprobs(output)
         assert tokens == ref_tokens, f"prompt {i}: tokens differ"
-        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs)) < 1e-4, f"prompt {i}: logprobs differ"
+        worst = max(abs(a - b) for a, b in zip(logprobs, ref_logprobs))
+        assert worst < logprob_tol, f"prompt {i}: logprobs differ by up to {worst:.2g}"

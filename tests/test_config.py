@@ -83,7 +83,7 @@ def test_every_field_is_a_keyword_of_one_part():
     assert len(names) == len(set(names))
     assert {"model", "gguf_file", "tokenizer", "dtype", "max_model_len", "seed", "block_size",
             "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization",
-            "num_gpu_blocks_override", "max_num_seqs", "max_num_batched_tokens", "device", "kernel_backend",
+            "num_gpu_blocks_override", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "device", "kernel_backend",
             "enforce_eager", "load_format",
             "host", "port", "served_model_name", "api_key", "max_n", "max_choices", "max_request_bytes",
             "sse_keepalive_seconds", "allowed_origins", "tool_call_parser"} == set(names)
@@ -228,6 +228,13 @@ def test_kv_cache_memory_setting(model_dir):
             Config.from_kwargs(model=model_dir, kv_cache_memory=bad)
     with pytest.raises(ValueError, match="as a size in bytes"):
         Config.from_kwargs(model=model_dir, kv_cache_memory="plenty")
+
+
+def test_kv_cache_dtype_setting(model_dir):
+    assert Config.from_kwargs(model=model_dir).cache.kv_cache_dtype == "auto"
+    assert Config.from_kwargs(model=model_dir, kv_cache_dtype="float16").cache.kv_cache_dtype == "float16"
+    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' must be auto, float32 or float16"):
+        Config.from_kwargs(model=model_dir, kv_cache_dtype="fp8")
 
 
 def test_kv_cache_smaller_than_one_sequence(llama_dir):

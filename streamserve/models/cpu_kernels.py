@@ -36,6 +36,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-lm"]
 Gemv = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 PANEL = 16  # rows of w a panel of the packed layout holds (csrc: PANEL)
+# The KV caches the decode attention and the C step read: float16 halves the bytes a long
+# context's attention reads (the runner's choice for 16-bit checkpoints: ModelRunner.kv_dtype).
+KV_CACHE_DTYPES = (torch.float32, torch.float16)
 
 
 class PackedWeight(NamedTuple):
@@ -139,22 +142,23 @@ class CpuKernels:
         self._norm = lib.rms_norm_f32
         self._norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
         self._norm.restype = None
-        self._decode = lib.paged_decode_attention_f32
+        self._decode = lib.paged_decode_attention
         self._decode.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 5
-                                 + [ctypes.c_long] * 6 + [ctypes.c_float])
+                                 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long])
         self._decode.restype = None
 
     def paged_decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hq, D] or [B, Hq * D] float32 (rows may be strided, as slices of the fused QKV
-        output are), cache [2, num_blocks, block_size, Hkv, D] float32, block_tables [B, W] and
+        output are), cache [2, num_blocks, block_size, Hkv, D] float32 or float16 (KV_CACHE_DTYPES),
+        block_tables [B, W] and
         seq_lens [B] int64 -> [B, Hq * D]: each row's single query against its sequence's keys.
         The tables must cover each sequence's length (the runner builds them so)."""
         _, _, block_size, num_kv_heads, head_dim = cache.shape
         b = q.shape[0]
         num_heads = q.shape[1] if q.dim() == 3 else q.shape[1] // head_dim
         heads_packed = q.stride(-1) == 1 and (q.dim() == 2 or q.stride(1) == head_dim)
-        if (q.dtype != torch.float32 or cache.dtype != torch.float32 or not heads_packed
+        if (q.dtype != torch.float32 or cache.dtype not in KV_CACHE_DTYPES or not heads_packed
                 or not cache.is_contiguous() or not fits_decode_attention(num_heads, num_kv_heads, head_dim)
                 or block_tables.dtype != torch.int64 or not block_tables.is_contiguous()
                 or seq_lens.dtype != torch.int64 or block_tables.shape[0] != b or seq_lens.shape[0] != b):
@@ -165,7 +169,8 @@ class CpuKernels:
         out = torch.empty(b, num_heads * head_dim)
         self._decode(q.data_ptr(), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
                      block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-                     b, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale)
+                     b, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
+                     cache.dtype == torch.float16)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -264,7 +269,7 @@ class _StepLayer(ctypes.Structure):
 class _StepModel(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_long) for name in (
         "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
-        "max_position", "num_slots", "quant_max_tokens")]
+        "max_position", "num_slots", "quant_max_tokens", "kv_half")]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
            ("cos_sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_StepLayer))])
 
@@ -322,7 +327,7 @@ class StepForward:
             num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
             block_size=kv_caches[0].shape[2], max_position=model.rotary.cos_sin_cache.shape[0],
             num_slots=kv_caches[0].shape[1] * kv_caches[0].shape[2],
-            quant_max_tokens=quant_max_tokens,
+            quant_max_tokens=quant_max_tokens, kv_half=kv_caches[0].dtype == torch.float16,
             eps=arch.rms_norm_eps, scale=arch.head_dim ** -0.5, final_norm=ptr(model.norm.weight),
             cos_sin=ptr(model.rotary.cos_sin_cache), layers=layers)
         self._model_ref = ctypes.byref(self._model)
@@ -337,7 +342,10 @@ class StepForward:
         arch = model.arch
         if not fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim) or arch.head_dim % 2:
             return f"heads {arch.num_heads}/{arch.num_kv_heads} of {arch.head_dim}"
-        floats = [model.norm.weight, model.rotary.cos_sin_cache, *kv_caches]
+        if any(t.dtype not in KV_CACHE_DTYPES or t.dtype != kv_caches[0].dtype or t.device.type != "cpu"
+               or not t.is_contiguous() for t in kv_caches):
+            return "its KV caches are not all contiguous float32 or all float16 on the CPU"
+        floats = [model.norm.weight, model.rotary.cos_sin_cache]
         for layer in model.layers:
             attn = layer.self_attn
             floats += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]

@@ -129,9 +129,10 @@ async def _log_when_ready(model_name: str, engine: AsyncEngine) -> None:
     runner = engine.engine_core.model_runner
     tokens = runner.num_blocks * config.cache.block_size
     logger.info("ready: model %s (%s), dtype %s (computing in %s), device %s, %d KV blocks "
-                "(%d tokens), up to %.1f sequences of max_model_len %d at once",
+                "(%d tokens, %s), up to %.1f sequences of max_model_len %d at once",
                 model_name, config.model.model, config.model.torch_dtype, runner.dtype,
-                config.device.device, runner.num_blocks, tokens, tokens / config.model.max_model_len,
+                config.device.device, runner.num_blocks, tokens, str(runner.kv_dtype).removeprefix("torch."),
+                tokens / config.model.max_model_len,
                 config.model.max_model_len)
 
 

@@ -1,7 +1,8 @@
 """Paged attention with torch ops: the CPU backend.
 
 The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
-(K then V). Token slot s lives at block s // block_size, offset s % block_size.
+(K then V), in the compute dtype or, on the CPU for a 16-bit checkpoint, float16 (read back
+as float32). Token slot s lives at block s // block_size, offset s % block_size.
 
 Each step's flat batch is ordered decodes first (one query token each), then
 prefill chunks. Per layer:
@@ -77,8 +78,8 @@ class TorchPagedAttention:
             return self.kernels.paged_decode_attention(q, cache, tables, self.meta.decode_seq_lens, self.scale)
         # [B * nb, bs, Hkv, D] -> [B, Hkv, L, D]
         shape = (b, -1, self.num_kv_heads, self.head_dim)
-        k = cache[0].index_select(0, tables.view(-1)).view(shape).transpose(1, 2)
-        v = cache[1].index_select(0, tables.view(-1)).view(shape).transpose(1, 2)
+        k = cache[0].index_select(0, tables.view(-1)).view(shape).transpose(1, 2).to(q.dtype)
+        v = cache[1].index_select(0, tables.view(-1)).view(shape).transpose(1, 2).to(q.dtype)
         qh = q.reshape(b, self.num_heads, 1, self.head_dim)
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=self.meta.decode_mask,
                                              scale=self.scale, enable_gqa=self.group > 1)
@@ -93,8 +94,8 @@ class TorchPagedAttention:
         else:
             # The whole sequence so far from the cache (this chunk was just written).
             seq_len = ctx + n
-            k = cache[0].index_select(0, chunk.block_ids).flatten(0, 1)[:seq_len]
-            v = cache[1].index_select(0, chunk.block_ids).flatten(0, 1)[:seq_len]
+            k = cache[0].index_select(0, chunk.block_ids).flatten(0, 1)[:seq_len].to(q.dtype)
+            v = cache[1].index_select(0, chunk.block_ids).flatten(0, 1)[:seq_len].to(q.dtype)
             # Query j sits at position ctx + j and sees keys 0 .. ctx + j.
             mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=ctx)
             causal = False
@@ -107,6 +108,10 @@ class TorchPagedAttention:
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each token's K and V at its slot (reshape_and_cache)."""
+    """Store each token's K and V at its slot (reshape_and_cache). Into a float16 cache of a
+    float32 step, values are held to float16's finite range first (as the C step writes them)."""
+    if cache.dtype != k.dtype:
+        top = torch.finfo(cache.dtype).max
+        k, v = k.clamp(-top, top).to(cache.dtype), v.clamp(-top, top).to(cache.dtype)
     cache[0].view(-1, k.shape[1], k.shape[2]).index_copy_(0, slot_mapping, k)
     cache[1].view(-1, v.shape[1], v.shape[2]).index_copy_(0, slot_mapping, v)

@@ -152,10 +152,11 @@ class ModelRunner:
             rows = max(max_num_seqs, capture_sizes(max_num_seqs)[-1])
             self.workspace = DecodeWorkspace.allocate(rows, self.num_heads, self.head_dim, MAX_DECODE_SPLITS,
                                                       self.device)
+        self.kv_dtype = self._choose_kv_dtype(config.cache.kv_cache_dtype, low_precision)
         self.num_blocks = self._determine_num_blocks()
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [self._zeros(shape) for _ in range(arch.num_layers)]
+        self.kv_caches = [self._zeros(shape, self.kv_dtype) for _ in range(arch.num_layers)]
         # On the CPU, steps of up to C_STEP_MAX_TOKENS tokens run in one C call (what CUDA graphs are on a GPU).
         self.c_step: Optional[cpu_kernels.StepForward] = None
         if self.c_kernels is not None and not config.device.enforce_eager:
@@ -191,8 +192,20 @@ class ModelRunner:
 
     # -- sizing ------------------------------------------------------------------
 
+    def _choose_kv_dtype(self, asked: str, low_precision: Optional[torch.dtype]) -> torch.dtype:
+        """The KV cache's dtype for --kv-cache-dtype `asked`: the compute dtype, except where the
+        C kernels compute a 16-bit checkpoint in float32 ("auto" then takes float16: half the
+        bytes that the decode attention of a long context is bound by, like llama.cpp's default)."""
+        if asked == "auto":
+            return torch.float16 if self.c_kernels is not None and low_precision is not None else self.dtype
+        dtype = getattr(torch, asked)
+        if dtype != self.dtype and self.c_kernels is None:
+            raise ValueError(f"kv_cache_dtype {asked} differs from the {str(self.dtype).removeprefix('torch.')} "
+                             f"the model computes in, which only the CPU's C kernels (torch backend) can read")
+        return dtype
+
     def kv_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * self.model.arch.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def _determine_num_blocks(self) -> int:
@@ -237,7 +250,7 @@ class ModelRunner:
         for i, nb in enumerate(num_blocks):
             tables[i, :nb] = np.arange(first[i], first[i] + nb)
         shape = (2, int(first[-1]), bs, self.num_kv_heads, self.head_dim)
-        scratch = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.model.layers]
+        scratch = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in self.model.layers]
         positions = np.concatenate([np.arange(n) for n in lens])
         slots = self.to_device(np.repeat(first[:-1] * bs, lens) + positions)
         ids = torch.zeros(tokens, dtype=torch.int64, device=self.device)
@@ -255,15 +268,15 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zeroed KV tensor. On the CPU it comes from calloc (numpy), so the OS hands out
         zero pages as they are first touched: a large cache costs nothing at start-up and
         holds only as much RAM as it has used. (Zeros matter: a masked slot must not hold NaN.)"""
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+            return torch.zeros(shape, dtype=dtype, device=self.device)
         same_size = {2: np.uint16, 4: np.float32, 8: np.float64}
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return torch.from_numpy(np.zeros(shape, dtype=same_size[elem])).view(self.dtype)
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return torch.from_numpy(np.zeros(shape, dtype=same_size[elem])).view(dtype)
 
     # -- one step ----------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parity import assert_same_greedy, check_parity, tokens_and_logprobs
+from parity import assert_same_greedy, check_parity, check_prompt_logprobs, tokens_and_logprobs
 from streamserve import LLM, SamplingParams
 from streamserve.models import cpu_kernels
 from streamserve.models.layers import PackedEmbedding, RMSNorm
@@ -149,16 +149,19 @@ def test_rms_norm_refuses_what_it_cannot_read():
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (2, 2, 20)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (6, 3, 48), (2, 2, 20)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("lens", [[1, 15, 16, 3 * 32 + 5, 70, 0],  # 0: a row that sees no key
                                   [1000, 0]])  # few rows: the keys split into chunks, merged after
-def test_decode_attention_matches_the_torch_path(num_heads, num_kv_heads, head_dim, block_size, lens):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_decode_attention_matches_the_torch_path(num_heads, num_kv_heads, head_dim, block_size, lens, cache_dtype):
+    """Against the torch path on the same cache (a float16 one read back as float32), for query
+    heads per KV head in threes and the rest, head sizes in 32s, 8s and the rest."""
     from streamserve.worker.attention import AttentionMetadata, TorchPagedAttention
 
     gen = torch.Generator().manual_seed(num_heads * head_dim + block_size)
     num_blocks = sum(-(-n // block_size) for n in lens) + 7
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
     width = -(-max(lens) // block_size)
     order = torch.randperm(num_blocks, generator=gen)  # blocks scattered over the pool
     tables = torch.zeros(len(lens), width, dtype=torch.int64)
@@ -184,11 +187,12 @@ def test_decode_attention_matches_the_torch_path(num_heads, num_kv_heads, head_d
 
 @needs_kernel
 @pytest.mark.parametrize("key", [2, 18])  # in a vector of 8 keys, or in the tile's scalar tail
-def test_decode_attention_propagates_a_nan_score(key):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_decode_attention_propagates_a_nan_score(key, cache_dtype):
     """A NaN key makes its row's output NaN, as torch's softmax does, wherever the key sits
     (a NaN in a vector of 8 came out as weight e^-87: the key silently dropped)."""
     hq, d, bs = 2, 16, 16
-    cache = torch.randn(2, 2, bs, 1, d, generator=torch.Generator().manual_seed(0))
+    cache = torch.randn(2, 2, bs, 1, d, generator=torch.Generator().manual_seed(0)).to(cache_dtype)
     cache[0, key // bs, key % bs, 0, 0] = float("nan")
     q = torch.randn(2, hq, d)
     out = kernels.paged_decode_attention(q, cache, torch.tensor([[0, 1], [1, 0]]), torch.tensor([20, 20]),
@@ -221,6 +225,32 @@ def test_float32_model_uses_the_c_norm_and_decode_attention(llama_dir, monkeypat
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     num_layers = len(llm.engine_core.model_runner.model.layers)
     assert calls.count(2) == 3 * num_layers  # three decode steps of both rows, every layer
+
+
+def test_a_kv_cache_dtype_only_the_c_kernels_read_is_refused_without_them(llama_dir, monkeypatch):
+    """float16 KV under float32 compute is read by the C kernels alone: without them (here: as
+    where they do not build) the runner says so rather than fail in the first step."""
+    monkeypatch.setattr(model_runner.cpu_kernels, "load", lambda: None)
+    with pytest.raises(ValueError, match="kv_cache_dtype float16 differs from the float32 the model computes in"):
+        LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", kv_cache_dtype="float16")
+    runner = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB").engine_core.model_runner
+    assert runner.kv_dtype == torch.float32 and runner.c_kernels is None
+
+
+@needs_kernel
+def test_float32_model_takes_a_float16_kv_cache_when_asked(llama_dir):
+    """--kv-cache-dtype float16 on a float32 model: the C step reads it, the prompt logprobs stay
+    close to those of the float32 cache."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompt = {"prompt_token_ids": list(range(3, 80))}
+    runs = {}
+    for kv in ("float32", "float16"):
+        llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", kv_cache_dtype=kv)
+        assert llm.engine_core.model_runner.kv_dtype == getattr(torch, kv)
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        runs[kv] = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt["prompt_token_ids"][1:])]
+    assert max(abs(a - b) for a, b in zip(runs["float32"], runs["float16"])) < 1e-2
+    assert runs["float32"] != runs["float16"]  # the cache really was float16
 
 
 @needs_kernel
@@ -290,11 +320,13 @@ def half_llama_dir(request, llama_dir, tmp_path_factory):
 def test_half_precision_model_small_steps_match_transformers(half_llama_dir, monkeypatch):
     """On a CPU that emulates half-precision GEMMs, every step reads the packed half-size
     copies through the C GEMM (steps of a few tokens in one C call) and the float32 weights
-    are freed: transformers in float32 on the same (rounded) weights is the oracle."""
+    are freed: transformers in float32 on the same (rounded) weights is the oracle (with a
+    float32 KV cache: the default float16 one is test_float16_kv_cache_...)."""
     path, dtype = half_llama_dir
     monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: False)
-    llm = LLM(path, dtype=str(dtype).split(".")[-1], kv_cache_memory="32MiB")
+    llm = LLM(path, dtype=str(dtype).split(".")[-1], kv_cache_memory="32MiB", kv_cache_dtype="float32")
     runner = llm.engine_core.model_runner
+    assert runner.kv_dtype == torch.float32
     assert runner.dtype == torch.float32 and runner.low_precision_max_tokens == sys.maxsize and runner.c_step is not None
     down = runner.model.layers[0].mlp.down_proj
     assert down.weight.numel() == 0 and down.low_precision_weight is None and down.packed.dtype == dtype
@@ -304,6 +336,24 @@ def test_half_precision_model_small_steps_match_transformers(half_llama_dir, mon
     assert isinstance(runner.model.embed_tokens, PackedEmbedding) and head.weight.numel() == 0
     assert not any(p.dtype == torch.float32 and p.dim() == 2 and p.numel() for p in runner.model.parameters())
     check_parity(llm, path)
+
+
+@needs_kernel
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["c-step", "op-by-op"])
+def test_float16_kv_cache_is_the_default_for_a_half_checkpoint(half_llama_dir, enforce_eager, monkeypatch):
+    """A 16-bit checkpoint computed in float32 keeps its KV cache in float16 (half the memory:
+    twice the blocks in the same budget), through the C step and through the torch ops alike:
+    the prompt logprobs stay within 1e-2 of transformers' in float32."""
+    path, dtype = half_llama_dir
+    monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: False)
+    name = str(dtype).split(".")[-1]
+    llm = LLM(path, dtype=name, kv_cache_memory="32MiB", enforce_eager=enforce_eager)
+    runner = llm.engine_core.model_runner
+    assert runner.kv_dtype == torch.float16 and all(c.dtype == torch.float16 for c in runner.kv_caches)
+    assert (runner.c_step is None) == enforce_eager
+    full = LLM(path, dtype=name, kv_cache_memory="32MiB", kv_cache_dtype="float32").engine_core.model_runner
+    assert runner.num_blocks == 2 * full.num_blocks
+    check_prompt_logprobs(llm, path, tol=1e-2)
 
 
 @needs_kernel

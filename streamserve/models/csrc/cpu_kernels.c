@@ -14,7 +14,8 @@
  * place, like the Triton kernel): one call instead of the eight small torch ops it
  * takes in Python, each of which costs more in dispatch than the arithmetic.
  *
- * paged_decode_attention_f32: the decode rows' attention read straight from the paged cache,
+ * paged_decode_attention: the decode rows' attention read straight from the paged cache (float32
+ * or float16),
  * where torch first gathers every sequence's blocks into a padded copy and masks it.
  *
  * step_forward_f32: a whole step (up to a few hundred tokens) through every layer of a Llama-family model.
@@ -430,47 +431,10 @@ static inline __m256 exp_ps(__m256 x) {
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
 }
 
-static inline float dot_f32(const float *a, const float *b, long n) {
-    /* four accumulators: one FMA chain would wait on each FMA's latency */
-    __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;
-    long i = 0;
-    for (; i + 32 <= n; i += 32) {
-        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), c0);
-        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), c1);
-        c2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), c2);
-        c3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), c3);
-    }
-    for (; i + 8 <= n; i += 8) c0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), c0);
-    float sum = hsum(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
-/* acc[0:D] += sum_j p[j] * rows j of base (at offsets rows[j]), 32 columns at a time so that
- * four independent accumulators stay in registers across the rows. */
-static inline void weighted_rows(float *acc, const float *p, const float *base, const long *rows, long n, long D) {
-    long d = 0;
-    for (; d + 32 <= D; d += 32) {
-        __m256 c0 = _mm256_loadu_ps(acc + d), c1 = _mm256_loadu_ps(acc + d + 8);
-        __m256 c2 = _mm256_loadu_ps(acc + d + 16), c3 = _mm256_loadu_ps(acc + d + 24);
-        for (long j = 0; j < n; j++) {
-            const float *v = base + rows[j] + d;
-            const __m256 w = _mm256_set1_ps(p[j]);
-            c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), c0);
-            c1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), c1);
-            c2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), c2);
-            c3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), c3);
-        }
-        _mm256_storeu_ps(acc + d, c0), _mm256_storeu_ps(acc + d + 8, c1);
-        _mm256_storeu_ps(acc + d + 16, c2), _mm256_storeu_ps(acc + d + 24, c3);
-    }
-    for (; d + 8 <= D; d += 8) {
-        __m256 c0 = _mm256_loadu_ps(acc + d);
-        for (long j = 0; j < n; j++) c0 = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(base + rows[j] + d), c0);
-        _mm256_storeu_ps(acc + d, c0);
-    }
-    for (; d < D; d++)
-        for (long j = 0; j < n; j++) acc[d] += p[j] * base[rows[j] + d];
+/* The sums of a, b, c and d's lanes, in that order. */
+static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 static inline void axpy_f32(float *y, float a, const float *x, long n) {
@@ -480,36 +444,149 @@ static inline void axpy_f32(float *y, float a, const float *x, long n) {
     for (; i < n; i++) y[i] += a * x[i];
 }
 
-#define ATTN_TILE 64
+/* ---- Decode attention over the paged KV cache ----------------------------------------------
+ *
+ * The cache holds float32, or float16 (HALF) for a model whose weights are 16-bit: half the
+ * bytes, which is what the attention of a long context is bound by. HALF is a constant at every
+ * call of the always-inline routines below, so each cache type gets its own code. */
+
+/* Eight elements of a cache (or any) row from element i, as float32. */
+static inline __attribute__((always_inline)) __m256 kv8(const void *p, long i, const int half) {
+    return half ? widen_f16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) float kv1(const void *p, long i, const int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+#define ATTN_TILE 64      /* keys scored before their softmax and values */
+#define ATTN_HEADS 3      /* query heads a tile routine takes at once: their accumulators fill the registers */
 #define ATTN_MAX_G 64     /* query heads per KV head */
 #define ATTN_MAX_Q 256    /* query heads */
 #define ATTN_MAX_QD 16384 /* query heads x head_dim: a task's accumulators, on the stack */
 #define ATTN_SPAN 128     /* keys a task reads for every KV head before it moves on */
 
-/* Online softmax of G query heads (q, rows D apart) over keys [start, end) of one
- * sequence's KV head: m (running max), l (running sum), acc [G, D] (unnormalised output). */
-static void attend_keys(const float *q, const float *k_cache, const float *v_cache, const int64_t *table,
-                        long kvh, long Hkv, long D, long bs, long G, long start, long end, float scale,
-                        float *m, float *l, float *acc) {
+/* Head i's four accumulators A##i##0..3 += Y times the vectors x0..x3. */
+#define FMA4(A, i, Y)                                                                             \
+    {                                                                                             \
+        const __m256 y_ = (Y);                                                                    \
+        A##i##0 = _mm256_fmadd_ps(y_, x0, A##i##0), A##i##1 = _mm256_fmadd_ps(y_, x1, A##i##1);   \
+        A##i##2 = _mm256_fmadd_ps(y_, x2, A##i##2), A##i##3 = _mm256_fmadd_ps(y_, x3, A##i##3);   \
+    }
+
+/* Scores of NG (<= ATTN_HEADS) query heads (q, rows D apart, already scaled) against the four
+ * keys at rows[0..3] of k, into s[g * ATTN_TILE + 0..3]: each K vector is loaded once for the
+ * NG heads, and the 4 x NG dot products are reduced together. */
+static inline __attribute__((always_inline)) void scores_4keys(const float *q, const void *k, const long *rows,
+                                                               long D, float *s, const int NG, const int half) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00;
+    __m256 a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    long d = 0;
+    for (; d + 8 <= D; d += 8) {
+        const __m256 x0 = kv8(k, rows[0] + d, half), x1 = kv8(k, rows[1] + d, half);
+        const __m256 x2 = kv8(k, rows[2] + d, half), x3 = kv8(k, rows[3] + d, half);
+        FMA4(a, 0, _mm256_loadu_ps(q + d))
+        if (NG > 1) FMA4(a, 1, _mm256_loadu_ps(q + D + d))
+        if (NG > 2) FMA4(a, 2, _mm256_loadu_ps(q + 2 * D + d))
+    }
+    __m128 r[3] = {hsum4(a00, a01, a02, a03), hsum4(a10, a11, a12, a13), hsum4(a20, a21, a22, a23)};
+    for (int g = 0; g < NG; g++) {
+        if (d < D) {  /* a head_dim that is not a multiple of 8 */
+            float tail[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (long e = d; e < D; e++)
+                for (int j = 0; j < 4; j++) tail[j] += q[g * D + e] * kv1(k, rows[j] + e, half);
+            r[g] = _mm_add_ps(r[g], _mm_loadu_ps(tail));
+        }
+        _mm_storeu_ps(s + g * ATTN_TILE, r[g]);
+    }
+}
+
+/* acc[g][0:D] += sum_j p[g * ATTN_TILE + j] * (row j of v), for NG (<= ATTN_HEADS) heads (acc rows
+ * D apart) over the n rows at rows[j]: 32 columns at a time, so that each V vector is loaded
+ * once for the NG heads while their 4 x NG accumulators stay in registers. */
+static inline __attribute__((always_inline)) void weighted_rows(float *acc, const float *p, const void *v,
+                                                                const long *rows, long n, long D, const int NG,
+                                                                const int half) {
+    long d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m256 c00 = _mm256_loadu_ps(acc + d), c01 = _mm256_loadu_ps(acc + d + 8);
+        __m256 c02 = _mm256_loadu_ps(acc + d + 16), c03 = _mm256_loadu_ps(acc + d + 24);
+        __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00, c20 = c00, c21 = c00, c22 = c00, c23 = c00;
+        if (NG > 1) {
+            c10 = _mm256_loadu_ps(acc + D + d), c11 = _mm256_loadu_ps(acc + D + d + 8);
+            c12 = _mm256_loadu_ps(acc + D + d + 16), c13 = _mm256_loadu_ps(acc + D + d + 24);
+        }
+        if (NG > 2) {
+            c20 = _mm256_loadu_ps(acc + 2 * D + d), c21 = _mm256_loadu_ps(acc + 2 * D + d + 8);
+            c22 = _mm256_loadu_ps(acc + 2 * D + d + 16), c23 = _mm256_loadu_ps(acc + 2 * D + d + 24);
+        }
+        for (long j = 0; j < n; j++) {
+            const long x = rows[j] + d;
+            const __m256 x0 = kv8(v, x, half), x1 = kv8(v, x + 8, half);
+            const __m256 x2 = kv8(v, x + 16, half), x3 = kv8(v, x + 24, half);
+            FMA4(c, 0, _mm256_broadcast_ss(p + j))
+            if (NG > 1) FMA4(c, 1, _mm256_broadcast_ss(p + ATTN_TILE + j))
+            if (NG > 2) FMA4(c, 2, _mm256_broadcast_ss(p + 2 * ATTN_TILE + j))
+        }
+        _mm256_storeu_ps(acc + d, c00), _mm256_storeu_ps(acc + d + 8, c01);
+        _mm256_storeu_ps(acc + d + 16, c02), _mm256_storeu_ps(acc + d + 24, c03);
+        if (NG > 1) {
+            _mm256_storeu_ps(acc + D + d, c10), _mm256_storeu_ps(acc + D + d + 8, c11);
+            _mm256_storeu_ps(acc + D + d + 16, c12), _mm256_storeu_ps(acc + D + d + 24, c13);
+        }
+        if (NG > 2) {
+            _mm256_storeu_ps(acc + 2 * D + d, c20), _mm256_storeu_ps(acc + 2 * D + d + 8, c21);
+            _mm256_storeu_ps(acc + 2 * D + d + 16, c22), _mm256_storeu_ps(acc + 2 * D + d + 24, c23);
+        }
+    }
+    for (; d + 8 <= D; d += 8)  /* a head_dim that is not a multiple of 32 */
+        for (int g = 0; g < NG; g++) {
+            __m256 c = _mm256_loadu_ps(acc + g * D + d);
+            for (long j = 0; j < n; j++)
+                c = _mm256_fmadd_ps(_mm256_broadcast_ss(p + g * ATTN_TILE + j), kv8(v, rows[j] + d, half), c);
+            _mm256_storeu_ps(acc + g * D + d, c);
+        }
+    for (; d < D; d++)
+        for (int g = 0; g < NG; g++)
+            for (long j = 0; j < n; j++) acc[g * D + d] += p[g * ATTN_TILE + j] * kv1(v, rows[j] + d, half);
+}
+
+/* The tile routines for the query heads g .. g + ATTN_HEADS - 1 (or to G) of a KV head. */
+#define FOR_HEAD_GROUPS(G, CALL)                                                                  \
+    for (long g = 0; g < (G); g += ATTN_HEADS) {                                                  \
+        switch ((G) - g < ATTN_HEADS ? (G) - g : ATTN_HEADS) {                                    \
+        case 3: CALL(3); break;                                                                   \
+        case 2: CALL(2); break;                                                                   \
+        case 1: CALL(1); break;                                                                   \
+        }                                                                                         \
+    }
+
+/* Online softmax of G query heads (q, rows D apart, already scaled) over keys [start, end) of
+ * one sequence's KV head: m (running max), l (running sum), acc [G, D] (unnormalised output). */
+static inline __attribute__((always_inline)) void attend_keys(
+        const float *q, const void *k_cache, const void *v_cache, const int64_t *table, long kvh, long Hkv,
+        long D, long bs, long G, long start, long end, float *m, float *l, float *acc, const int half) {
     float s[ATTN_MAX_G * ATTN_TILE];
-    long rows[ATTN_TILE];  /* the tile's K/V row offsets, walked block by block (no division per key) */
+    long rows[ATTN_TILE + 8];  /* the tile's K/V row offsets (elements), walked block by block: no division per key */
     long blk = start / bs, off = start % bs;
+    const long elt = half ? 2 : 4;  /* bytes an element */
     for (long t0 = start; t0 < end; t0 += ATTN_TILE) {
         const long n = end - t0 < ATTN_TILE ? end - t0 : ATTN_TILE;
         for (long j = 0; j < n; j++) {
             rows[j] = ((table[blk] * bs + off) * Hkv + kvh) * D;
             if (++off == bs) off = 0, blk++;
         }
-        for (long j = 0; j < n; j++) {  /* each K row read once for the G heads */
-            const float *k = k_cache + rows[j];
-            /* the blocks are scattered: ask for the K row 4 keys ahead and this key's V row */
-            const char *k_ahead = (const char *)(k_cache + rows[j + 4 < n ? j + 4 : j]);
-            const char *v_row = (const char *)(v_cache + rows[j]);
-            for (long b = 0; b < D * 4; b += 64) {
-                _mm_prefetch(k_ahead + b, _MM_HINT_T0);
-                _mm_prefetch(v_row + b, _MM_HINT_T0);
-            }
-            for (long g = 0; g < G; g++) s[g * ATTN_TILE + j] = dot_f32(q + g * D, k, D) * scale;
+        for (long j = n; j < n + 8; j++) rows[j] = rows[n - 1];  /* the last group of four reads a key again */
+        for (long j = 0; j < n; j += 4) {
+            /* the blocks are scattered: ask for the next four keys' K rows and these four's V rows */
+            for (long a = 0; a < 4; a++)
+                for (long b = 0; b < D * elt; b += 64) {
+                    _mm_prefetch((const char *)k_cache + rows[j + 4 + a] * elt + b, _MM_HINT_T0);
+                    _mm_prefetch((const char *)v_cache + rows[j + a] * elt + b, _MM_HINT_T0);
+                }
+#define SCORES(NG) scores_4keys(q + g * D, k_cache, rows + j, D, s + g * ATTN_TILE + j, NG, half)
+            FOR_HEAD_GROUPS(G, SCORES)
+#undef SCORES
         }
         for (long g = 0; g < G; g++) {
             float *sg = s + g * ATTN_TILE, tile_max = m[g];
@@ -531,30 +608,61 @@ static void attend_keys(const float *q, const float *k_cache, const float *v_cac
             if (alpha != 1.0f)
                 for (long d = 0; d < D; d++) acc[g * D + d] *= alpha;
         }
-        for (long g = 0; g < G; g++)  /* the tile's V rows stay in cache across the G heads */
-            weighted_rows(acc + g * D, s + g * ATTN_TILE, v_cache, rows, n, D);
+#define VALUES(NG) weighted_rows(acc + g * D, s + g * ATTN_TILE, v_cache, rows, n, D, NG, half)
+        FOR_HEAD_GROUPS(G, VALUES)
+#undef VALUES
     }
 }
 
-/* Ask for the K and V rows (all KV heads) of keys [start, end) of a sequence into L2: issued a
- * span ahead, so the scattered blocks arrive while the span before is computed. */
-static void prefetch_keys(const float *k_cache, const float *v_cache, const int64_t *table, long row,
+/* Ask for the K and V rows (all KV heads, row_bytes each) of keys [start, end) of a sequence
+ * into L2: issued a span ahead, so the scattered blocks arrive while the span before is computed. */
+static void prefetch_keys(const void *k_cache, const void *v_cache, const int64_t *table, long row_bytes,
                           long bs, long start, long end) {
     for (long t = start; t < end; t++) {
-        const long offset = (table[t / bs] * bs + t % bs) * row;
-        const char *k = (const char *)(k_cache + offset), *v = (const char *)(v_cache + offset);
-        for (long b = 0; b < row * 4; b += 64) {
+        const long offset = (table[t / bs] * bs + t % bs) * row_bytes;
+        const char *k = (const char *)k_cache + offset, *v = (const char *)v_cache + offset;
+        for (long b = 0; b < row_bytes; b += 64) {
             _mm_prefetch(k + b, _MM_HINT_T1);
             _mm_prefetch(v + b, _MM_HINT_T1);
         }
     }
 }
 
-/* Decode attention over a paged KV cache, one query token per sequence, float32.
+/* One task of paged_decode_attention: query row q (Hq heads of D, already scaled) over keys
+ * [start, end) of the sequence with block table `table`, into mp, lp (Hq each) and acc [Hq, D]. */
+static inline __attribute__((always_inline)) void attend_span(
+        const float *q, const void *k_cache, const void *v_cache, const int64_t *table, long Hq, long Hkv,
+        long D, long bs, long start, long end, float *mp, float *lp, float *acc, const int half) {
+    const long G = Hq / Hkv, GD = G * D, row_bytes = Hkv * D * (half ? 2 : 4);
+    prefetch_keys(k_cache, v_cache, table, row_bytes, bs, start, start + ATTN_SPAN < end ? start + ATTN_SPAN : end);
+    for (long s0 = start; s0 < end; s0 += ATTN_SPAN) {
+        const long s1 = s0 + ATTN_SPAN < end ? s0 + ATTN_SPAN : end;
+        if (s1 < end)  /* the next span, while this one is computed */
+            prefetch_keys(k_cache, v_cache, table, row_bytes, bs, s1, s1 + ATTN_SPAN < end ? s1 + ATTN_SPAN : end);
+        for (long h = 0; h < Hkv; h++)
+            attend_keys(q + h * GD, k_cache, v_cache, table, h, Hkv, D, bs, G, s0, s1, mp + h * G, lp + h * G,
+                        acc + h * GD, half);
+    }
+}
+
+static void attend_span_f32(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
+                            long Hq, long Hkv, long D, long bs, long start, long end, float *mp, float *lp,
+                            float *acc) {
+    attend_span(q, k_cache, v_cache, table, Hq, Hkv, D, bs, start, end, mp, lp, acc, 0);
+}
+
+static void attend_span_f16(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
+                            long Hq, long Hkv, long D, long bs, long start, long end, float *mp, float *lp,
+                            float *acc) {
+    attend_span(q, k_cache, v_cache, table, Hq, Hkv, D, bs, start, end, mp, lp, acc, 1);
+}
+
+/* Decode attention over a paged KV cache, one query token per sequence.
  *
- * q: row b at q + b * q_row_stride holds its Hq heads of D; k_cache, v_cache: one layer's
- * [num_blocks, bs, Hkv, D]; tables [B, W] int64 block IDs; seq_lens [B] int64 (the keys
- * each sequence sees); out [B, Hq, D] contiguous. Query heads h*G .. h*G+G-1 read KV head h.
+ * q: row b at q + b * q_row_stride holds its Hq heads of D, float32; k_cache, v_cache: one
+ * layer's [num_blocks, bs, Hkv, D], float32, or float16 where kv_half; tables [B, W] int64
+ * block IDs; seq_lens [B] int64 (the keys each sequence sees); out [B, Hq, D] contiguous
+ * float32. Query heads h*G .. h*G+G-1 read KV head h.
  * A task is one sequence over a chunk of its keys, read in place from the blocks (no
  * gathered copy of the context) with an online softmax, each K and V row once for its
  * group of query heads. The task walks its keys in spans of ATTN_SPAN and takes every KV
@@ -565,10 +673,10 @@ static void prefetch_keys(const float *k_cache, const float *v_cache, const int6
  * their log-sum-exp (flash-decoding). A sequence of length 0 gets zeros.
  * Hq / Hkv <= ATTN_MAX_G, Hq <= ATTN_MAX_Q, Hq * D <= ATTN_MAX_QD.
  */
-void paged_decode_attention_f32(const float *q, long q_row_stride, const float *k_cache, const float *v_cache,
-                                const int64_t *tables, const int64_t *seq_lens, float *out,
-                                long B, long Hq, long Hkv, long D, long bs, long W, float scale) {
-    const long G = Hq / Hkv, GD = G * D, QD = Hq * D;
+void paged_decode_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
+                            const int64_t *tables, const int64_t *seq_lens, float *out,
+                            long B, long Hq, long Hkv, long D, long bs, long W, float scale, long kv_half) {
+    const long QD = Hq * D;
     long max_len = 0;
     for (long b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
     const long threads = omp_get_max_threads();
@@ -592,20 +700,11 @@ void paged_decode_attention_f32(const float *q, long q_row_stride, const float *
         for (long c = 0; c < chunks; c++) {
             const long L = seq_lens[b], per = (L + chunks - 1) / chunks;
             const long start = c * per < L ? c * per : L, end = start + per < L ? start + per : L;
-            float mp[ATTN_MAX_Q], lp[ATTN_MAX_Q], acc[ATTN_MAX_QD];
+            float mp[ATTN_MAX_Q], lp[ATTN_MAX_Q], acc[ATTN_MAX_QD], qs[ATTN_MAX_QD];
             for (long h = 0; h < Hq; h++) mp[h] = -INFINITY, lp[h] = 0.0f;
-            for (long i = 0; i < QD; i++) acc[i] = 0.0f;
-            prefetch_keys(k_cache, v_cache, tables + b * W, Hkv * D, bs, start,
-                          start + ATTN_SPAN < end ? start + ATTN_SPAN : end);
-            for (long s0 = start; s0 < end; s0 += ATTN_SPAN) {
-                const long s1 = s0 + ATTN_SPAN < end ? s0 + ATTN_SPAN : end;
-                if (s1 < end)  /* the next span, while this one is computed */
-                    prefetch_keys(k_cache, v_cache, tables + b * W, Hkv * D, bs, s1,
-                                  s1 + ATTN_SPAN < end ? s1 + ATTN_SPAN : end);
-                for (long h = 0; h < Hkv; h++)
-                    attend_keys(q + b * q_row_stride + h * GD, k_cache, v_cache, tables + b * W, h, Hkv, D, bs,
-                                G, s0, s1, scale, mp + h * G, lp + h * G, acc + h * GD);
-            }
+            for (long i = 0; i < QD; i++) acc[i] = 0.0f, qs[i] = q[b * q_row_stride + i] * scale;
+            (kv_half ? attend_span_f16 : attend_span_f32)(qs, k_cache, v_cache, tables + b * W, Hq, Hkv, D, bs,
+                                                          start, end, mp, lp, acc);
             if (chunks == 1) {
                 float *o = out + b * QD;
                 for (long h = 0; h < Hq; h++) {
@@ -667,13 +766,14 @@ typedef struct {
     Weight qkv[2], o[2], gate_up[2], down[2]; /* [N, K] */
     const float *qkv_bias;                  /* [Hq * D + 2 * Hkv * D] or NULL (Qwen2 has one) */
     const float *q_norm, *k_norm;           /* [D] or NULL (Qwen3's per-head RMSNorm) */
-    float *k_cache, *v_cache;               /* [num_blocks * bs, Hkv, D] each */
+    void *k_cache, *v_cache;                /* [num_blocks * bs, Hkv, D] each, float32 or float16 */
 } StepLayer;
 
 typedef struct {
     long num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, block_size, max_position;
     long num_slots;                         /* num_blocks * block_size: each cache's rows */
     long quant_max_tokens;                  /* the most tokens a step may have to read the GGUF blocks */
+    long kv_half;                           /* whether the caches hold float16 */
     float eps, scale;
     const float *final_norm;                /* [H] */
     const float *cos_sin;                   /* [max_position, 2, D]: cos, then sin with its first half negated */
@@ -717,6 +817,23 @@ static void silu_and_mul_f32(const float *gate_up, float *out, long T, long I) {
     }
 }
 
+/* n values of x into a cache from element i: float16 where half, rounded to nearest and held
+ * to its largest finite value (as the torch path writes them). */
+static void store_kv(void *cache, long i, const float *x, long n, long half) {
+    if (!half) {
+        for (long e = 0; e < n; e++) ((float *)cache)[i + e] = x[e];
+        return;
+    }
+    uint16_t *c = (uint16_t *)cache + i;
+    const __m256 top = _mm256_set1_ps(65504.0f), bottom = _mm256_set1_ps(-65504.0f);
+    long e = 0;
+    for (; e + 8 <= n; e += 8) {
+        const __m256 v = _mm256_min_ps(top, _mm256_max_ps(bottom, _mm256_loadu_ps(x + e)));
+        _mm_storeu_si128((__m128i *)(c + e), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    }
+    for (; e < n; e++) c[e] = _cvtss_sh(x[e] > 65504.0f ? 65504.0f : x[e] < -65504.0f ? -65504.0f : x[e], 0);
+}
+
 /* The floats of scratch step_forward_f32 takes per token. */
 long step_scratch_floats(const StepModel *m) {
     const long D = m->head_dim;
@@ -725,7 +842,7 @@ long step_scratch_floats(const StepModel *m) {
 
 /* hidden [B, H]: the B tokens' embeddings in, the final norm's output out. positions, slots,
  * seq_lens [B] and tables [B, W] per token: its sequence's block table and position + 1, as
- * paged_decode_attention_f32 reads them. Slot -1 writes nothing. scratch: B * step_scratch_floats
+ * paged_decode_attention reads them. Slot -1 writes nothing. scratch: B * step_scratch_floats
  * floats. Returns 0, or before computing anything, for inputs that would read or write outside
  * the model's tables: -1 a position past the rotary table, -2 a slot past the cache, -3 a
  * length past the token's block-table row, -4 a block ID (of those the length reaches) past the
@@ -758,12 +875,12 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *positions
             }
             rotate_heads(row, Hq + Hkv, D, m->cos_sin + positions[t] * 2 * D);
             if (slots[t] >= 0) {
-                float *k = L->k_cache + slots[t] * kv_row, *v = L->v_cache + slots[t] * kv_row;
-                for (long i = 0; i < kv_row; i++) k[i] = row[Hq * D + i], v[i] = row[Hq * D + kv_row + i];
+                store_kv(L->k_cache, slots[t] * kv_row, row + Hq * D, kv_row, m->kv_half);
+                store_kv(L->v_cache, slots[t] * kv_row, row + Hq * D + kv_row, kv_row, m->kv_half);
             }
         }
-        paged_decode_attention_f32(qkv, QKV, L->k_cache, L->v_cache, tables, seq_lens, attn,
-                                   B, Hq, Hkv, D, m->block_size, W, m->scale);
+        paged_decode_attention(qkv, QKV, L->k_cache, L->v_cache, tables, seq_lens, attn,
+                               B, Hq, Hkv, D, m->block_size, W, m->scale, m->kv_half);
         if (step_gemv(m, L->o, attn, hidden, B, H, Hq * D)) return -5;
         rms_norm_f32(hidden, residual, L->post_norm, x, B, H, m->eps);  /* residual += attention out */
         if (step_gemv(m, L->gate_up, x, gate_up, B, 2 * I, H)) return -5;
