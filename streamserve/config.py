@@ -130,9 +130,10 @@ class CacheConfig:
     num_gpu_blocks_override: Optional[int] = field(default=None, metadata={
         "help": "fix the number of KV blocks outright, on any device"})
     kv_cache_dtype: str = field(default="auto", metadata={
-        "help": "auto, float32 or float16: what the KV cache holds. auto: float16 on the CPU for a "
-                "16-bit checkpoint (the C kernels read it: half the memory and bytes of float32), "
-                "else the dtype the model computes in; float16 with float32 compute needs the CPU's C kernels"})
+        "help": "auto, float32 or float16: what the KV cache holds. auto: float16 where the CPU's C "
+                "kernels compute a 16-bit checkpoint in float32 (half the memory and bytes; values held "
+                "to +-65504), else the dtype the model computes in; a dtype other than that one needs "
+                "the CPU's C kernels"})
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -89,10 +89,11 @@ class TorchPagedAttention:
                  cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
         n = q.shape[0]
         ctx = chunk.num_computed_tokens
-        if ctx == 0:
+        if ctx == 0 and cache.dtype == q.dtype:
             mask, causal = None, True
         else:
-            # The whole sequence so far from the cache (this chunk was just written).
+            # The whole sequence so far from the cache (this chunk was just written; read back
+            # from a float16 cache even when it is the first, as every later read sees it).
             seq_len = ctx + n
             k = cache[0].index_select(0, chunk.block_ids).flatten(0, 1)[:seq_len].to(q.dtype)
             v = cache[1].index_select(0, chunk.block_ids).flatten(0, 1)[:seq_len].to(q.dtype)

@@ -446,9 +446,9 @@ static inline void axpy_f32(float *y, float a, const float *x, long n) {
 
 /* ---- Decode attention over the paged KV cache ----------------------------------------------
  *
- * The cache holds float32, or float16 (HALF) for a model whose weights are 16-bit: half the
- * bytes, which is what the attention of a long context is bound by. HALF is a constant at every
- * call of the always-inline routines below, so each cache type gets its own code. */
+ * The cache holds float32, or float16 (`half`) for a model whose weights are 16-bit: half the
+ * bytes, which is what the attention of a long context is bound by. `half` is a constant at
+ * every call of the always-inline routines below, so each cache type gets its own code. */
 
 /* Eight elements of a cache (or any) row from element i, as float32. */
 static inline __attribute__((always_inline)) __m256 kv8(const void *p, long i, const int half) {
