@@ -150,9 +150,8 @@ class CpuKernels:
     def paged_decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, Hq, D] or [B, Hq * D] float32 (rows may be strided, as slices of the fused QKV
-        output are), cache [2, num_blocks, block_size, Hkv, D] float32 or float16 (KV_CACHE_DTYPES),
-        block_tables [B, W] and
-        seq_lens [B] int64 -> [B, Hq * D]: each row's single query against its sequence's keys.
+        output are), cache [2, num_blocks, block_size, Hkv, D] float32 or float16, block_tables
+        [B, W] and seq_lens [B] int64 -> [B, Hq * D]: each row's single query against its sequence's keys.
         The tables must cover each sequence's length (the runner builds them so)."""
         _, _, block_size, num_kv_heads, head_dim = cache.shape
         b = q.shape[0]

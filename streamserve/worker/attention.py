@@ -1,8 +1,8 @@
 """Paged attention with torch ops: the CPU backend.
 
 The KV cache of one layer is a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
-(K then V), in the compute dtype or, on the CPU for a 16-bit checkpoint, float16 (read back
-as float32). Token slot s lives at block s // block_size, offset s % block_size.
+(K then V), in the compute dtype or float16 (--kv-cache-dtype; the CPU's default for a
+16-bit checkpoint computed in float32), read back as float32. Token slot s lives at block s // block_size, offset s % block_size.
 
 Each step's flat batch is ordered decodes first (one query token each), then
 prefill chunks. Per layer:

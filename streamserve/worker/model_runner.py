@@ -156,7 +156,7 @@ class ModelRunner:
         self.num_blocks = self._determine_num_blocks()
         # One tensor per layer: [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
         shape = (2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [self._zeros(shape, self.kv_dtype) for _ in range(arch.num_layers)]
+        self.kv_caches = [self._zeros(shape) for _ in range(arch.num_layers)]
         # On the CPU, steps of up to C_STEP_MAX_TOKENS tokens run in one C call (what CUDA graphs are on a GPU).
         self.c_step: Optional[cpu_kernels.StepForward] = None
         if self.c_kernels is not None and not config.device.enforce_eager:
@@ -268,15 +268,15 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed KV tensor. On the CPU it comes from calloc (numpy), so the OS hands out
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed KV tensor (of kv_dtype). On the CPU it comes from calloc (numpy), so the OS hands out
         zero pages as they are first touched: a large cache costs nothing at start-up and
         holds only as much RAM as it has used. (Zeros matter: a masked slot must not hold NaN.)"""
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=dtype, device=self.device)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         same_size = {2: np.uint16, 4: np.float32, 8: np.float64}
-        elem = torch.tensor([], dtype=dtype).element_size()
-        return torch.from_numpy(np.zeros(shape, dtype=same_size[elem])).view(dtype)
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        return torch.from_numpy(np.zeros(shape, dtype=same_size[elem])).view(self.kv_dtype)
 
     # -- one step ----------------------------------------------------------------
 
