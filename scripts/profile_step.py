@@ -38,9 +38,15 @@ def main() -> None:
         os.path.join(os.path.expanduser("~/.cache/streamserve"), "bench-smollm2-shape"))
     llm = LLM(model, dtype=args.dtype, kv_cache_memory="2GiB", enforce_eager=args.enforce_eager)
     core = llm.engine_core
-    steps = args.steps + 10
+    # enough tokens that no request finishes while the last prompts are still being read (the
+    # first ones decode meanwhile), nor before the profiled steps are done
+    max_len = llm.engine_core.config.model.max_model_len
+    steps = min(args.steps + 10 + args.batch * args.prompt_len, max_len - args.prompt_len)
     start_decoding(llm, make_workload(args.batch, core.vocab_size, 1, args.prompt_len, args.prompt_len,
                                       steps, steps))
+    if len(core.scheduler.running) != args.batch:
+        raise SystemExit(f"{len(core.scheduler.running)} of {args.batch} requests are decoding "
+                         f"(max_model_len {max_len}, KV blocks {core.model_runner.num_blocks})")
     core.step()
     start = time.perf_counter()
     for _ in range(args.steps):
