@@ -589,12 +589,18 @@ static inline __attribute__((always_inline)) void attend_keys(
 #undef SCORES
         }
         for (long g = 0; g < G; g++) {
-            float *sg = s + g * ATTN_TILE, tile_max = m[g];
+            float *sg = s + g * ATTN_TILE;
             /* a NaN score may be skipped here: exp_ps and expf keep it NaN, and so the sums */
-            for (long j = 0; j < n; j++) tile_max = sg[j] > tile_max ? sg[j] : tile_max;
-            const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - tile_max);
+            __m256 vtop = _mm256_set1_ps(m[g]);
             long j = 0;
+            for (; j + 8 <= n; j += 8) vtop = _mm256_max_ps(vtop, _mm256_loadu_ps(sg + j));
+            __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(vtop), _mm256_extractf128_ps(vtop, 1));
+            top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+            float tile_max = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+            for (; j < n; j++) tile_max = sg[j] > tile_max ? sg[j] : tile_max;
+            const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - tile_max);
             float sum = 0.0f;
+            j = 0;
             __m256 vsum = _mm256_setzero_ps();
             const __m256 vmax = _mm256_set1_ps(tile_max);
             for (; j + 8 <= n; j += 8) {
