@@ -40,7 +40,7 @@ def main() -> None:
     core = llm.engine_core
     # enough tokens that no request finishes while the last prompts are still being read (the
     # first ones decode meanwhile), nor before the profiled steps are done
-    max_len = llm.engine_core.config.model.max_model_len
+    max_len = core.config.model.max_model_len
     steps = min(args.steps + 10 + args.batch * args.prompt_len, max_len - args.prompt_len)
     start_decoding(llm, make_workload(args.batch, core.vocab_size, 1, args.prompt_len, args.prompt_len,
                                       steps, steps))

@@ -57,6 +57,11 @@ def hf_prompt_logprobs(model_dir: str, num_prompts: int = 9) -> list[list[float]
     return refs
 
 
+def prompt_token_logprobs(output, prompt: list[int]) -> list[float]:
+    """A request's prompt logprobs (run with prompt_logprobs=0): each prompt token's after the first."""
+    return [entry[t].logprob for entry, t in zip(output.prompt_logprobs[1:], prompt[1:])]
+
+
 def check_prompt_logprobs(llm: LLM, model_dir: str, tol: float, num_prompts: int = 9) -> None:
     """The parity prompts' prompt logprobs (teacher-forced: no greedy choice can tip a near tie
     one way) within `tol` of transformers'."""
@@ -64,7 +69,7 @@ def check_prompt_logprobs(llm: LLM, model_dir: str, tol: float, num_prompts: int
     prompts = parity_prompts()[:num_prompts]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for i, (prompt, output, ref) in enumerate(zip(prompts, outputs, hf_prompt_logprobs(model_dir, num_prompts))):
-        got = [entry[t].logprob for entry, t in zip(output.prompt_logprobs[1:], prompt[1:])]
+        got = prompt_token_logprobs(output, prompt)
         worst = max(abs(a - b) for a, b in zip(got, ref))
         assert len(got) == len(ref) and worst < tol, f"prompt {i}: prompt logprobs differ by up to {worst:.2g}"
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parity import assert_same_greedy, check_parity, check_prompt_logprobs, tokens_and_logprobs
+from parity import (assert_same_greedy, check_parity, check_prompt_logprobs, prompt_token_logprobs,
+                    tokens_and_logprobs)
 from streamserve import LLM, SamplingParams
 from streamserve.models import cpu_kernels
 from streamserve.models.layers import PackedEmbedding, RMSNorm
@@ -250,7 +251,7 @@ def test_float32_model_takes_a_float16_kv_cache_when_asked(llama_dir):
         llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", kv_cache_dtype=kv, enforce_eager=eager)
         assert llm.engine_core.model_runner.kv_dtype == getattr(torch, kv)
         out = llm.generate([prompt], params, use_tqdm=False)[0]
-        runs[kv, eager] = [e[t].logprob for e, t in zip(out.prompt_logprobs[1:], prompt["prompt_token_ids"][1:])]
+        runs[kv, eager] = prompt_token_logprobs(out, prompt["prompt_token_ids"])
     assert max(abs(a - b) for a, b in zip(runs["float32", False], runs["float16", False])) < 1e-2
     assert runs["float32", False] != runs["float16", False]  # the cache really was float16
     assert max(abs(a - b) for a, b in zip(runs["float16", False], runs["float16", True])) < 2e-4

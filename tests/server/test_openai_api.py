@@ -12,6 +12,7 @@ import urllib.request
 import openai
 import pytest
 
+from parity import prompt_token_logprobs
 from streamserve import LLM, SamplingParams
 
 
@@ -292,7 +293,7 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
                                        logprobs=2)
     lp = result.choices[0].logprobs
     assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    want = [entry[token].logprob for entry, token in zip(expected.prompt_logprobs[1:], ids[1:])]
+    want = prompt_token_logprobs(expected, ids)
     assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:len(ids)], want)) < 1e-5
     assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
     assert "".join(lp.tokens) == result.choices[0].text and result.choices[0].text.startswith(prompt)

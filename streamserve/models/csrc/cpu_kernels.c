@@ -38,6 +38,14 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* The largest of v's lanes (a NaN lane may or may not win). */
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
 /* ---- Float weights, packed in panels -------------------------------------------------------
  *
  * gemm_packed_{bf16,f16,f32}: y = x @ w.T, x float32 [M, K], y float32 [M, N], with w [N, K]
@@ -594,9 +602,7 @@ static inline __attribute__((always_inline)) void attend_keys(
             __m256 vtop = _mm256_set1_ps(m[g]);
             long j = 0;
             for (; j + 8 <= n; j += 8) vtop = _mm256_max_ps(vtop, _mm256_loadu_ps(sg + j));
-            __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(vtop), _mm256_extractf128_ps(vtop, 1));
-            top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
-            float tile_max = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+            float tile_max = hmax(vtop);
             for (; j < n; j++) tile_max = sg[j] > tile_max ? sg[j] : tile_max;
             const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - tile_max);
             float sum = 0.0f;
