@@ -1,12 +1,14 @@
-"""The CPU decode attention: the C kernel on a float32 and on a float16 cache against the torch
-path, one layer's call, same process.
+"""The CPU attention kernels on a float32 and on a float16 cache against the torch path, one
+layer's call, same process: the decodes (paged_decode_attention), then a prefill chunk of 256
+rows after a context (paged_prefill_attention; the torch path runs SDPA on the gathered keys).
 
     python scripts/bench_cpu_attention.py
 
 SmolLM2's head layout (9 query heads on 3 KV heads, head_dim 64), KV in blocks of 16 scattered
 over the pool; each row is timed as the lower quartile of repeated calls. The same layer's cache
 is read again and again, so the larger rows come from the CPU's caches more than in a real step
-(whose 30 layers' caches do not fit): there the float16 cache gains more.
+(whose 30 layers' caches do not fit): there the float16 cache gains more. The prefill rows also
+print the float16 kernel's GFLOP/s (4 * heads * head_dim flops per query-key pair the causal mask keeps).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import torch
 
 from streamserve.models import cpu_kernels
-from streamserve.worker.attention import AttentionMetadata, TorchPagedAttention
+from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 
@@ -41,6 +43,24 @@ def setup(batch: int, ctx: int):
             lambda: torch_path._decode(q, cache))
 
 
+def setup_prefill(ctx: int, rows: int = 256):
+    """A chunk of `rows` query rows after `ctx` tokens of context, its keys already written."""
+    gen = torch.Generator().manual_seed(ctx)
+    width = -(-(ctx + rows) // BS)
+    cache = torch.randn(2, width, BS, HKV, D, generator=gen)
+    table = torch.randperm(width, generator=gen)
+    q = torch.randn(rows, HQ, D, generator=gen)
+    chunk = PrefillChunk(0, rows, ctx, table)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.int64), 0, None, None, [chunk])
+    torch_path = TorchPagedAttention([cache], meta, HQ, HKV, D)
+    k, v = (cache[i].index_select(0, table).flatten(0, 1)[ctx:] for i in (0, 1))
+    kernels, half = cpu_kernels.load(), cache.half()
+    starts, lens, tables = torch.tensor([0, rows]), torch.tensor([ctx + rows]), table[None].contiguous()
+    return (lambda: kernels.paged_prefill_attention(q, cache, starts, tables, lens, D ** -0.5),
+            lambda: kernels.paged_prefill_attention(q, half, starts, tables, lens, D ** -0.5),
+            lambda: torch_path._prefill(q, k, v, cache, chunk))
+
+
 def quartile(fn, n: int) -> float:
     fn()
     times = []
@@ -61,6 +81,15 @@ def main() -> None:
         tc, th, tt = quartile(c_kernel, n), quartile(c_half, n), quartile(torch_path, n)
         print(f"{batch:5d} {ctx:7d} {tc * 1e6:11.0f} us {th * 1e6:11.0f} us {tt * 1e6:10.0f} us "
               f"{tt / tc:10.1f}x {tt / th:8.1f}x", flush=True)
+    print("\n rows context  C, float32 KV  C, float16 KV    torch path  torch / C float32 / float16  GFLOP/s")
+    rows = 256
+    for ctx in [0, 256, 768, 1792, 3840]:
+        c_kernel, c_half, torch_path = setup_prefill(ctx, rows)
+        n = 40 if ctx < 1000 else 10
+        tc, th, tt = quartile(c_kernel, n), quartile(c_half, n), quartile(torch_path, n)
+        flops = 4 * HQ * D * (rows * ctx + rows * (rows + 1) / 2)
+        print(f"{rows:5d} {ctx:7d} {tc * 1e3:11.2f} ms {th * 1e3:11.2f} ms {tt * 1e3:10.2f} ms "
+              f"{tt / tc:10.2f}x {tt / th:8.2f}x {flops / th / 1e9:8.1f}", flush=True)
 
 
 if __name__ == "__main__":

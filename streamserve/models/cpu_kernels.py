@@ -1,7 +1,7 @@
 """The CPU path's C kernels (csrc/cpu_kernels.c): the GEMM every step runs over weights
 packed in panels (`pack_weight`), the GEMV over GGUF's quantized blocks for the smallest
-steps, RMSNorm (with the residual add) in one call, decode attention read straight from the
-paged KV cache, and a whole step of up to a few hundred tokens in one call (`StepForward`).
+steps, RMSNorm (with the residual add) in one call, decode and prefill attention read straight
+from the paged KV cache, and a whole step of up to a few hundred tokens in one call (`StepForward`).
 
 Built once per machine with the system C compiler into `$STREAMSERVE_CACHE/kernels`
 (a second or two), then loaded with ctypes, which releases the GIL during each call.
@@ -122,7 +122,8 @@ class CpuKernels:
     blocks (models/quantized.py: BLOCKS); rms_norm / fused_add_rms_norm with
     streamserve_kernels.norm's interface (float32, [T, H] contiguous), so RMSNorm takes either
     as its `kernels`;
-    paged_decode_attention for TorchPagedAttention's decode rows (float32)."""
+    paged_decode_attention and paged_prefill_attention for TorchPagedAttention's decode rows
+    and prefill chunks (float32)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
@@ -146,6 +147,10 @@ class CpuKernels:
         self._decode.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 5
                                  + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long])
         self._decode.restype = None
+        self._prefill = lib.paged_prefill_attention
+        self._prefill.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 6
+                                  + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long])
+        self._prefill.restype = ctypes.c_int
 
     def paged_decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -153,24 +158,54 @@ class CpuKernels:
         output are), cache [2, num_blocks, block_size, Hkv, D] float32 or float16, block_tables
         [B, W] and seq_lens [B] int64 -> [B, Hq * D]: each row's single query against its sequence's keys.
         The tables must cover each sequence's length (the runner builds them so)."""
+        num_heads, out = self._check_attention(q, cache, block_tables, seq_lens, q.shape[0])
         _, _, block_size, num_kv_heads, head_dim = cache.shape
-        b = q.shape[0]
+        self._decode(q.data_ptr(), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
+                     block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+                     q.shape[0], num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
+                     cache.dtype == torch.float16)
+        return out
+
+    def paged_prefill_attention(self, q: torch.Tensor, cache: torch.Tensor, query_start_loc: torch.Tensor,
+                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """Causal attention of S sequences' query rows: sequence s's are rows query_start_loc[s] ..
+        query_start_loc[s + 1] - 1 of q (as for paged_decode_attention), at the last positions
+        before seq_lens[s], each over its keys up to its own position, through row s of block_tables
+        [S, W] (int64; its keys, this chunk's included, already in the cache) -> [N, Hq * D]."""
+        n_seqs = seq_lens.shape[0]
+        num_heads, out = self._check_attention(q, cache, block_tables, seq_lens, n_seqs)
+        loc = query_start_loc.tolist()
+        lens = seq_lens.tolist()
+        if (query_start_loc.dtype != torch.int64 or len(loc) != n_seqs + 1 or loc[0] != 0
+                or loc[-1] != q.shape[0] or any(not 0 < b - a <= n for a, b, n in zip(loc, loc[1:], lens))):
+            raise ValueError(f"query_start_loc must be int64 [S + 1], from 0 to the {q.shape[0]} query rows, "
+                             f"each sequence's rows at most its length; got {query_start_loc.dtype} {loc} "
+                             f"for lengths {lens}")
+        _, _, block_size, num_kv_heads, head_dim = cache.shape
+        query_start_loc = query_start_loc.contiguous()
+        if self._prefill(q.data_ptr(), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
+                         query_start_loc.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+                         n_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
+                         cache.dtype == torch.float16):
+            raise MemoryError("the CPU prefill attention found no memory for its scratch")
+        return out
+
+    @staticmethod
+    def _check_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, n_seqs: int) -> tuple[int, torch.Tensor]:
+        """(query heads, the output) for the attention kernels' inputs; ValueError for any they cannot read."""
+        num_kv_heads, head_dim = cache.shape[3:]
         num_heads = q.shape[1] if q.dim() == 3 else q.shape[1] // head_dim
         heads_packed = q.stride(-1) == 1 and (q.dim() == 2 or q.stride(1) == head_dim)
         if (q.dtype != torch.float32 or cache.dtype not in KV_CACHE_DTYPES or not heads_packed
                 or not cache.is_contiguous() or not fits_decode_attention(num_heads, num_kv_heads, head_dim)
                 or block_tables.dtype != torch.int64 or not block_tables.is_contiguous()
-                or seq_lens.dtype != torch.int64 or block_tables.shape[0] != b or seq_lens.shape[0] != b):
-            raise ValueError(f"the CPU decode attention kernel cannot read q {q.dtype} {tuple(q.shape)}, "
-                             f"cache {cache.dtype} {tuple(cache.shape)}, tables {block_tables.dtype}, "
-                             f"seq_lens {seq_lens.dtype}")
-        seq_lens = seq_lens.contiguous()
-        out = torch.empty(b, num_heads * head_dim)
-        self._decode(q.data_ptr(), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
-                     block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-                     b, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
-                     cache.dtype == torch.float16)
-        return out
+                or seq_lens.dtype != torch.int64 or not seq_lens.is_contiguous()
+                or block_tables.shape[0] != n_seqs or seq_lens.shape[0] != n_seqs):
+            raise ValueError(f"the CPU attention kernels cannot read q {q.dtype} {tuple(q.shape)}, "
+                             f"cache {cache.dtype} {tuple(cache.shape)}, tables {block_tables.dtype} "
+                             f"{tuple(block_tables.shape)}, seq_lens {seq_lens.dtype} {tuple(seq_lens.shape)}")
+        return num_heads, torch.empty(q.shape[0], num_heads * head_dim)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _check_rows(x)
@@ -275,11 +310,12 @@ class _StepModel(ctypes.Structure):
 
 class StepForward:
     """A step of up to `max_tokens` tokens through a Llama-family model (models/llama.py) in one
-    C call: `step_forward_f32` runs every layer with the same GEMM, RMSNorm and decode attention
+    C call: `step_forward_f32` runs every layer with the same GEMM, RMSNorm and attention
     kernels the Python path calls, and the small ops between them (bias, q/k norms, rotary,
     the KV cache write, SiLU-and-mul) in C, without returning to Python in between. Each
-    token, a decode or one of a prefill chunk, attends as a decode row over its sequence's
-    cache up to its own position (the whole step's keys are written first).
+    token attends over its sequence's cache up to its own position (the whole step's keys are
+    written first): the decodes through paged_decode_attention, the prefill chunks through
+    paged_prefill_attention.
 
     Built once the KV caches exist: the C side keeps pointers to the weights (each Linear's
     packed copy, and its GGUF blocks, read by steps of at most
@@ -294,7 +330,7 @@ class StepForward:
             raise ValueError(f"the C step cannot run this model: {reason}")
         arch, self.model, self.max_tokens = model.arch, model, max_tokens
         self._fn = kernels.lib.step_forward_f32
-        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 2 + [ctypes.c_void_p]
+        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_void_p]
         self._fn.restype = ctypes.c_int
         self._keep: list[torch.Tensor] = []  # every tensor the C side points into
 
@@ -360,28 +396,32 @@ class StepForward:
             return "it does not compute in float32 on the CPU"
         return None
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+    def __call__(self, input_ids: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """Hidden states after the final norm, [B, hidden], for B <= max_tokens tokens. Per
-        token, contiguous int64: positions, slot_mapping, seq_lens [B] (position + 1) and
-        block_tables [B, W] (its sequence's blocks). Inputs that would reach outside the
-        caches or the rotary table raise ValueError before anything is computed."""
-        b = input_ids.shape[0]
-        per_token = (positions, slot_mapping, seq_lens)
-        if (not 0 < b <= self.max_tokens or block_tables.dim() != 2 or block_tables.shape[0] != b
-                or any(t.shape != (b,) for t in per_token)
-                or any(t.dtype != torch.int64 or not t.is_contiguous() for t in (*per_token, block_tables))):
-            raise ValueError(f"the C step takes 1 to {self.max_tokens} tokens with contiguous int64 positions, "
-                             f"slots and lengths [B] and block tables [B, W]; got {b} tokens, "
+        """Hidden states after the final norm, [B, hidden], for B <= max_tokens tokens: per token
+        its slot (slot_mapping [B]); per sequence (the decodes first) as paged_prefill_attention
+        takes them: its tokens' rows (query_start_loc [S + 1]), its blocks (block_tables [S, W])
+        and its length after the step (seq_lens [S]); all contiguous int64. Inputs that would
+        reach outside the caches or the rotary table raise ValueError before anything is computed."""
+        b, n_seqs = input_ids.shape[0], seq_lens.shape[0]
+        shapes = ((slot_mapping, (b,)), (query_start_loc, (n_seqs + 1,)), (seq_lens, (n_seqs,)))
+        if (not 0 < b <= self.max_tokens or block_tables.dim() != 2 or block_tables.shape[0] != n_seqs
+                or any(t.shape != shape for t, shape in shapes)
+                or any(t.dtype != torch.int64 or not t.is_contiguous() for t, _ in (*shapes, (block_tables, 0)))):
+            raise ValueError(f"the C step takes 1 to {self.max_tokens} tokens with contiguous int64 slots [B], "
+                             f"query_start_loc [S + 1], block tables [S, W] and lengths [S]; got {b} tokens, "
+                             f"{n_seqs} lengths, query_start_loc {tuple(query_start_loc.shape)}, "
                              f"block tables {block_tables.dtype} {tuple(block_tables.shape)}")
         hidden = self.model.embed_tokens(input_ids)  # a fresh [B, H] tensor: the step works in it
-        rc = self._fn(self._model_ref, hidden.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(),
-                      block_tables.data_ptr(), seq_lens.data_ptr(), b, block_tables.shape[1],
+        rc = self._fn(self._model_ref, hidden.data_ptr(), slot_mapping.data_ptr(), query_start_loc.data_ptr(),
+                      block_tables.data_ptr(), seq_lens.data_ptr(), b, n_seqs, block_tables.shape[1],
                       self._scratch.data_ptr())
+        if rc == -5:
+            raise MemoryError("a kernel of the C step found no memory for its scratch")
         if rc:
             raise ValueError({-1: f"a position is past the model's {self._model.max_position} (rotary table)",
                               -2: f"a slot is past the KV cache's {self._model.num_slots}",
-                              -3: "a length is past its block-table row",
-                              -4: "a block ID is past the KV cache",
-                              -5: "a quantized GEMV found no memory for its activations"}[rc])
+                              -3: "a sequence has no tokens or more than its length, a length is past its "
+                                  "block-table row, or query_start_loc does not run from 0 to the tokens",
+                              -4: "a block ID is past the KV cache"}[rc])
         return hidden

@@ -12,7 +12,7 @@ prefill chunks. Per layer:
      [B, L] context and masked past each sequence's length (or, in float32 where the
      C kernels load, read in place by models/csrc/cpu_kernels.c);
   3. each prefill chunk attends causally to its earlier tokens (from the cache)
-     and to itself.
+     and to itself (or, where the C kernels load, all chunks at once, read in place).
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     # [num_decodes] int64: set when the decodes go through the C kernel (which needs no mask)
     decode_seq_lens: Optional[torch.Tensor] = None
+    # set when the prefill chunks go through the C kernel, as it takes them (int64): their rows
+    # from the first after the decodes ([chunks + 1]), block tables and lengths after the step
+    prefill_query_start_loc: Optional[torch.Tensor] = None
+    prefill_block_tables: Optional[torch.Tensor] = None
+    prefill_seq_lens: Optional[torch.Tensor] = None
 
 
 class TorchPagedAttention:
@@ -66,6 +71,11 @@ class TorchPagedAttention:
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         if nd:
             out[:nd] = self._decode(q[:nd], cache)
+        if self.meta.prefill_seq_lens is not None:
+            out[nd:] = self.kernels.paged_prefill_attention(
+                q[nd:], cache, self.meta.prefill_query_start_loc, self.meta.prefill_block_tables,
+                self.meta.prefill_seq_lens, self.scale)
+            return out
         for chunk in prefills:
             rows = slice(chunk.query_start, chunk.query_end)
             out[rows] = self._prefill(q[rows], k[rows], v[rows], cache, chunk)

@@ -36,15 +36,9 @@ logger = logging.getLogger(__name__)
 # (see choose_dtypes) through torch's emulated bfloat16 GEMMs.
 LOW_PRECISION_MAX_TOKENS = 16
 # With them, a step of at most C_STEP_MAX_TOKENS tokens runs in one C call (StepForward),
-# every token attending as a decode row does, over its whole context, unless its prefill
-# tokens' contexts add up to more than C_STEP_MAX_PREFILL_KEYS: then op by op (prefill
-# attention through SDPA), through the same C GEMM. One call saves ~0.1 s of op-by-op work
-# on a step of 256 tokens; decode-style attention costs ~1.4 ms more per 1000 prefill keys
-# (SmolLM2-135M: prompts of 200 / 1024 / 2000 tokens alone, 0.78 / 4.5 / 10.4 s op by op,
-# 0.69 / 4.9 / 12.5 s all in one call; 32 prompts of 50-80 tokens at 16 at a time, their
-# 256-token steps 7.6 -> 6.8 s).
+# decodes and prefill chunks alike, through the same kernels as the op-by-op path (which
+# takes the larger steps): one call saves ~0.1 s of op-by-op work on a step of 256 tokens.
 C_STEP_MAX_TOKENS = 256
-C_STEP_MAX_PREFILL_KEYS = 64 * 1024
 # Steps of at most this many tokens read a GGUF model's quantized blocks (models/quantized.py),
 # where it has them: the quantized GEMV reads 2-3.5x fewer bytes than the other copies but
 # spends more arithmetic per weight. On an AVX2 machine (scripts/bench_gemv.py --quant q4_1)
@@ -89,10 +83,12 @@ def choose_dtypes(dtype: torch.dtype, device: torch.device,
 
 @dataclass
 class CStepInputs:
-    """A CPU step for StepForward: per token, its slot, its sequence's block table row
-    ([T, blocks of the longest], int64) and the keys it sees (position + 1)."""
+    """A CPU step for StepForward: per token, its slot; per sequence (decodes first), its
+    tokens' rows (query_start_loc [S + 1]), its block table row ([S, blocks of the longest])
+    and its length after the step; all int64."""
 
     slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
 
@@ -287,7 +283,8 @@ class ModelRunner:
         input_ids, positions, meta, logits_indices, samplers, prompt_rows = self._prepare_inputs(so)
         with torch.inference_mode():
             if isinstance(meta, CStepInputs):
-                hidden = self.c_step(input_ids, positions, meta.slot_mapping, meta.block_tables, meta.seq_lens)
+                hidden = self.c_step(input_ids, meta.slot_mapping, meta.query_start_loc, meta.block_tables,
+                                     meta.seq_lens)
             elif self._replays(meta, len(input_ids)):
                 hidden = self.graphs.replay(input_ids, positions, meta.slot_mapping, meta.seq_lens,
                                             meta.block_tables)
@@ -411,11 +408,9 @@ class ModelRunner:
         max_len = max([max_decode_len] + [ctx + n for n, ctx in chunks])
         width = -(-max_len // bs)
         positions = _cat(positions)
-        prefill_keys = sum(n * ctx + n * (n + 1) // 2 for n, ctx in chunks)  # sum of their tokens' seq lens
-        if self.c_step is not None and start <= C_STEP_MAX_TOKENS and prefill_keys <= C_STEP_MAX_PREFILL_KEYS:
-            token_rows = np.repeat(rows, [1] * nd + [n for n, _ in chunks]) if chunks else rows
-            meta = CStepInputs(self.to_device(_cat(slots)), self.to_device(table[token_rows, :width]),
-                               self.to_device(positions + 1))
+        if self.c_step is not None and start <= C_STEP_MAX_TOKENS:
+            meta = CStepInputs(self.to_device(_cat(slots)), self.to_device(query_start_loc(nd, chunks)),
+                               self.to_device(table[rows, :width]), self.to_device(_cat(seq_lens)))
         else:
             meta = self._attention_metadata(self.to_device(_cat(slots)), table[rows, :width], _cat(seq_lens), nd,
                                             max_decode_len, chunks)
@@ -437,16 +432,13 @@ class ModelRunner:
         ([B, blocks of the longest], int64, 0 past a sequence's blocks), their lengths after
         this step; of the first nd (the decodes) the longest; then each prefill chunk's rows
         and the context before it."""
-        bs = self.block_size
+        bs, loc = self.block_size, query_start_loc(nd, chunks)
         if self.triton:
             from streamserve_kernels.attention import choose_num_splits
 
-            query_start_loc = np.arange(nd + 1 + len(chunks), dtype=np.int32)
-            if chunks:
-                query_start_loc[nd + 1:] = nd + np.cumsum([n for n, _ in chunks])
             num_splits = choose_num_splits(max_decode_len, nd, self.num_kv_heads, MAX_DECODE_SPLITS) if nd else 1
             return TritonAttentionMetadata(
-                slot_mapping=slot_mapping, query_start_loc=self.to_device(query_start_loc),
+                slot_mapping=slot_mapping, query_start_loc=self.to_device(loc.astype(np.int32)),
                 seq_lens=self.to_device(seq_lens.astype(np.int32)), block_tables=self.to_device(tables.astype(np.int32)),
                 num_decodes=nd, max_query_len=max([1] + [n for n, _ in chunks]), num_splits=num_splits)
         prefills, start = [], nd
@@ -455,6 +447,10 @@ class ModelRunner:
             start += n
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=nd,
                                  decode_block_tables=None, decode_mask=None, prefills=prefills)
+        if chunks and self.cpu_attention:  # the C kernel takes every chunk at once
+            meta.prefill_query_start_loc = self.to_device(loc[nd:] - nd)
+            meta.prefill_block_tables = self.to_device(np.ascontiguousarray(tables[nd:]))
+            meta.prefill_seq_lens = self.to_device(seq_lens[nd:])
         if nd:  # the decodes' tables, as wide as the longest needs
             max_blocks = -(-max_decode_len // bs)
             meta.decode_block_tables = self.to_device(np.ascontiguousarray(tables[:nd, :max_blocks]))
@@ -495,6 +491,15 @@ class ModelRunner:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible, float("-inf"))
         return mask.view(len(seq_lens), 1, 1, -1)
+
+
+def query_start_loc(nd: int, chunks: list[tuple[int, int]]) -> np.ndarray:
+    """Where each sequence's rows start in the flat batch, and the end (int64 [S + 1]): nd
+    decodes of one row, then the prefill chunks of (rows, context before)."""
+    loc = np.arange(nd + 1 + len(chunks), dtype=np.int64)
+    if chunks:
+        loc[nd + 1:] = nd + np.cumsum([n for n, _ in chunks])
+    return loc
 
 
 def _cat(parts: list[np.ndarray]) -> np.ndarray:

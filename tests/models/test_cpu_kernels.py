@@ -212,20 +212,94 @@ def test_decode_attention_refuses_what_it_cannot_read():
 
 
 @needs_kernel
-def test_float32_model_uses_the_c_norm_and_decode_attention(llama_dir, monkeypatch):
-    """Op by op (enforce_eager), a float32 model's layers call the C RMSNorm and decode attention."""
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (6, 3, 48), (2, 2, 20),
+                                                             (32, 2, 8)])  # 16 query heads a KV head
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_prefill_attention_matches_the_torch_path(num_heads, num_kv_heads, head_dim, block_size, cache_dtype):
+    """Prefill chunks of many sizes, with and without earlier context, in one call, against
+    the torch path's SDPA per chunk on the same cache; the slots no sequence wrote hold NaN, so
+    a key read past a query's own position shows."""
+    from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention, write_kv
+
+    gen = torch.Generator().manual_seed(num_heads * head_dim + block_size)
+    chunks = [(0, 5), (40, 1), (37, 100), (0, 100), (300, 70), (0, 1)]  # (context before, rows)
+    lens = [ctx + n for ctx, n in chunks]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 7
+    cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan")).to(cache_dtype)
+    order = torch.randperm(num_blocks, generator=gen)  # blocks scattered over the pool
+    tables = torch.zeros(len(lens), -(-max(lens) // block_size), dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block_size)
+        tables[i, :nb] = order[used:used + nb]
+        used += nb
+        pos = torch.arange(n)
+        slots = tables[i, pos // block_size] * block_size + pos % block_size
+        write_kv(cache, *torch.randn(2, n, num_kv_heads, head_dim, generator=gen), slots)
+    rows = sum(n for _, n in chunks)
+    starts = torch.tensor([0, *torch.tensor([n for _, n in chunks]).cumsum(0).tolist()])
+    # q as the fused QKV output's first columns: strided rows
+    qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q = qkv[:, :num_heads * head_dim].view(rows, num_heads, head_dim)
+    out = kernels.paged_prefill_attention(q, cache, starts, tables, torch.tensor(lens), head_dim ** -0.5)
+
+    prefills = [PrefillChunk(a, b, ctx, tables[i, :-(-(ctx + b - a) // block_size)])
+                for i, ((ctx, _), a, b) in enumerate(zip(chunks, starts[:-1].tolist(), starts[1:].tolist()))]
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), num_decodes=0,
+                             decode_block_tables=None, decode_mask=None, prefills=prefills)
+    torch_path = TorchPagedAttention([cache], meta, num_heads, num_kv_heads, head_dim)
+    for chunk in prefills:  # its K and V as the torch path takes them (it reads back the earlier ones)
+        rows = slice(chunk.query_start, chunk.query_end)
+        k = cache[0].index_select(0, chunk.block_ids).flatten(0, 1)[chunk.num_computed_tokens:][:rows.stop - rows.start]
+        v = cache[1].index_select(0, chunk.block_ids).flatten(0, 1)[chunk.num_computed_tokens:][:rows.stop - rows.start]
+        ref = torch_path._prefill(q[rows], k.float(), v.float(), cache, chunk)
+        torch.testing.assert_close(out[rows], ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_prefill_attention_masks_the_keys_past_each_row(cache_dtype):
+    """A NaN key turns the rows at and after its position NaN (as torch's softmax does) and no
+    row before it: the keys a row must not see are masked, not merely weighted down."""
+    hq, d, bs, n, key = 3, 16, 16, 40, 21
+    cache = torch.randn(2, 3, bs, 1, d, generator=torch.Generator().manual_seed(0)).to(cache_dtype)
+    cache[0, 1, key - bs, 0, 3] = float("nan")  # block 1 holds keys 16-31 (the table lists 2, 1, 0)
+    table = torch.tensor([[2, 1, 0]])
+    out = kernels.paged_prefill_attention(torch.randn(n, hq, d), cache, torch.tensor([0, n]), table,
+                                          torch.tensor([n]), d ** -0.5)
+    assert out[:key].isfinite().all() and out[key:].isnan().all()
+
+
+@needs_kernel
+def test_prefill_attention_refuses_what_it_cannot_read():
+    cache = torch.zeros(2, 4, 16, 2, 64)
+    q, tables, lens = torch.zeros(3, 4, 64), torch.zeros(1, 2, dtype=torch.int64), torch.tensor([20])
+    for starts in ([0, 2], [0, 4], [1, 3], [0, 3, 3]):  # rows left over or missing, not from 0, a sequence of none
+        with pytest.raises(ValueError, match="query_start_loc"):
+            kernels.paged_prefill_attention(q, cache, torch.tensor(starts), tables, lens, 1.0)
+    with pytest.raises(ValueError, match="query_start_loc"):  # more rows than the sequence's length
+        kernels.paged_prefill_attention(q, cache, torch.tensor([0, 3]), tables, torch.tensor([2]), 1.0)
+    with pytest.raises(ValueError, match="cannot read"):
+        kernels.paged_prefill_attention(q.half(), cache, torch.tensor([0, 3]), tables, lens, 1.0)
+
+
+@needs_kernel
+def test_float32_model_uses_the_c_norm_and_attention(llama_dir, monkeypatch):
+    """Op by op (enforce_eager), a float32 model's layers call the C RMSNorm and attention."""
     from streamserve import SamplingParams
 
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", enforce_eager=True)
     runner = llm.engine_core.model_runner
     assert runner.model.layers[0].input_layernorm.kernels is kernels and runner.c_step is None
     calls = []
-    real = type(kernels).paged_decode_attention
-    monkeypatch.setattr(type(kernels), "paged_decode_attention",
-                        lambda self, q, *rest: calls.append(q.shape[0]) or real(self, q, *rest))
+    for name in ("paged_decode_attention", "paged_prefill_attention"):
+        monkeypatch.setattr(type(kernels), name, lambda self, q, *rest, real=getattr(type(kernels), name):
+                            calls.append((real.__name__, q.shape[0])) or real(self, q, *rest))
     llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     num_layers = len(llm.engine_core.model_runner.model.layers)
-    assert calls.count(2) == 3 * num_layers  # three decode steps of both rows, every layer
+    # both prompts' chunks in one call a layer, then three decode steps of both rows
+    assert calls == [("paged_prefill_attention", 5)] * num_layers + [("paged_decode_attention", 2)] * 3 * num_layers
 
 
 def test_a_kv_cache_dtype_only_the_c_kernels_read_is_refused_without_them(llama_dir, monkeypatch):
@@ -260,19 +334,17 @@ def test_float32_model_takes_a_float16_kv_cache_when_asked(llama_dir):
 @needs_kernel
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # the q/k/v bias; the per-head q/k norms
 def test_small_steps_in_one_c_call_match_op_by_op(model_dirs, arch, monkeypatch):
-    """By default every step of at most C_STEP_MAX_TOKENS tokens whose prefill tokens see at
-    most C_STEP_MAX_PREFILL_KEYS keys in all runs as one C call (StepForward), prefill chunks
-    too, and other steps op by op: the tokens and logprobs equal the op-by-op run's (the
-    transformers parity tests check the default path on every architecture, with chunked
-    prefill, prefix caching and preemption)."""
+    """By default every step of at most C_STEP_MAX_TOKENS tokens runs as one C call
+    (StepForward), prefill chunks too, and larger steps op by op: the tokens and logprobs
+    equal the op-by-op run's (the transformers parity tests check the default path on every
+    architecture, with chunked prefill, prefix caching and preemption)."""
     from streamserve import SamplingParams
 
     monkeypatch.setattr(model_runner, "C_STEP_MAX_TOKENS", 64)
-    monkeypatch.setattr(model_runner, "C_STEP_MAX_PREFILL_KEYS", 1000)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     prompts = [[5, 6, 7], [8, 9], list(range(3, 40)),
                list(range(100, 165)),  # 65 tokens: over the token limit
-               list(range(200, 250))]  # 50 tokens seeing 1275 keys: over the keys limit
+               list(range(200, 250))]
     eager = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="8MiB", enforce_eager=True)
     expected = eager.generate(prompts, params, use_tqdm=False)
     llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="8MiB")
@@ -282,9 +354,9 @@ def test_small_steps_in_one_c_call_match_op_by_op(model_dirs, arch, monkeypatch)
                         lambda self, ids, *rest: sizes.append(len(ids)) or real(self, ids, *rest))
     outputs = [out for prompt in ([prompts[:3]] + [[p] for p in prompts[3:]])
                for out in llm.generate(prompt, params, use_tqdm=False)]
-    # the three short prompts' step (42 tokens: 3 + 2 + 37, 6 + 3 + 703 keys), 11 decode steps
-    # of all three; each long prompt's step ran op by op, then its 11 decode steps
-    assert sizes == [42] + [3] * 11 + [1] * 11 + [1] * 11
+    # the three short prompts' step (42 tokens: 3 + 2 + 37), 11 decode steps of all three; the
+    # 65-token prompt's step ran op by op, then its 11 decode steps; the 50-token prompt's step
+    assert sizes == [42] + [3] * 11 + [1] * 11 + [50] + [1] * 11
     assert_same_greedy(outputs, [tokens_and_logprobs(want) for want in expected])
 
 
@@ -293,15 +365,22 @@ def test_c_step_refuses_what_would_reach_outside_its_tables(llama_dir):
     runner = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB").engine_core.model_runner
     step, past = runner.c_step, runner.model.rotary.cos_sin_cache.shape[0]
     one, table = torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64)
+    starts = torch.tensor([0, 1])
     slots, many = runner.num_blocks * runner.block_size, step.max_tokens + 1
+    wide = torch.zeros(1, -(-past // runner.block_size) + 1, dtype=torch.int64)
     before = [c.clone() for c in runner.kv_caches]
-    for args, match in [((one, torch.tensor([past]), one, table, one + 1), "position is past"),
-                        ((one, one, torch.tensor([slots]), table, one + 1), "slot is past"),
-                        ((one, one, one, table, one + runner.block_size + 1), "length is past"),
-                        ((one, one, one, table + runner.num_blocks, one + 1), "block ID is past"),
-                        ((one, one, one, table.int(), one + 1), "contiguous int64"),
-                        ((one.repeat(many), one.repeat(many), one.repeat(many), table.repeat(many, 1),
-                          one.repeat(many) + 1), f"1 to {step.max_tokens} tokens")]:
+    for args, match in [((one, one, starts, wide, one + past + 1), "position is past"),
+                        ((one, torch.tensor([slots]), starts, table, one + 1), "slot is past"),
+                        ((one, one, starts, table, one + runner.block_size + 1), "length is past"),
+                        ((one, one, starts, table, one), "more than its length"),  # a token at position -1
+                        ((one, one, torch.tensor([0, 2]), table, one + 2), "query_start_loc"),
+                        ((one.repeat(2), one.repeat(2), torch.tensor([0, 0, 2]), table.repeat(2, 1),
+                          one.repeat(2) + 2), "no tokens"),
+                        ((one, one, starts, table + runner.num_blocks, one + 1), "block ID is past"),
+                        ((one, one, starts, table.int(), one + 1), "contiguous int64"),
+                        ((one, one, torch.tensor([0]), table, one + 1), "query_start_loc"),
+                        ((one.repeat(many), one.repeat(many), torch.tensor([0, many]), table, one + many),
+                         f"1 to {step.max_tokens} tokens")]:
         with pytest.raises(ValueError, match=match):
             step(*args)
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))  # nothing written

@@ -15,8 +15,10 @@
  * takes in Python, each of which costs more in dispatch than the arithmetic.
  *
  * paged_decode_attention: the decode rows' attention read straight from the paged cache (float32
- * or float16),
- * where torch first gathers every sequence's blocks into a padded copy and masks it.
+ * or float16), where torch first gathers every sequence's blocks into a padded copy and masks it.
+ *
+ * paged_prefill_attention: the prefill chunks' causal attention, likewise in place, in tiles
+ * of keys shared by 48 query vectors at a time.
  *
  * step_forward_f32: a whole step (up to a few hundred tokens) through every layer of a Llama-family model.
  */
@@ -756,14 +758,259 @@ void paged_decode_attention(const float *q, long q_row_stride, const void *k_cac
     }
 }
 
+/* ---- Prefill attention over the paged KV cache ---------------------------------------------
+ *
+ * paged_prefill_attention: each sequence's query rows (a prefill chunk, at the last positions
+ * before its length) attend causally over its cache, which holds the chunk's own keys once
+ * they are written. The decode kernel would read every key once per query row; here a task
+ * takes PF_LANES query vectors at once (consecutive (row, head) pairs of one KV head's group,
+ * row-major) and reads each tile of PF_KEYS keys once for all of them, widened to float32
+ * once. Both products keep the lanes in vectors, as the packed GEMM keeps its outputs: the
+ * scores s[key][lane] = sum_d K[key][d] * qt[d][lane] (the queries scaled and packed
+ * transposed once a task) and the outputs acc[d][lane] += sum_key V[key][d] * s[key][lane],
+ * each an FMA of a broadcast K or V element and a vector of lanes, two keys or two columns at
+ * a time into 12 accumulators. No horizontal sums; the online softmax (max, exp, sum, the
+ * rescaling of the outputs) runs down the lanes, masking the keys past each lane's position
+ * only in the tiles that reach past the task's first position. */
+
+#define PF_VECS 6                 /* vectors of query lanes a task takes */
+#define PF_LANES (8 * PF_VECS)
+#define PF_KEYS 32                /* keys a tile (even: the scores take two at a time) */
+
+/* a##i += x * r[8i..], b##i += y * r[8i..] for the first NV vectors of lanes at r */
+#define LANE_FMA(i)                                                                               \
+    if (NV > i) {                                                                                 \
+        __m256 r_ = _mm256_load_ps(r + 8 * i);                                                    \
+        __asm__("" : "+x"(r_)); /* one load for both FMAs: the compiler would fold it into each */ \
+        a##i = _mm256_fmadd_ps(x, r_, a##i), b##i = _mm256_fmadd_ps(y, r_, b##i);                 \
+    }
+#define LANE_FMAS LANE_FMA(0) LANE_FMA(1) LANE_FMA(2) LANE_FMA(3) LANE_FMA(4) LANE_FMA(5)
+
+/* s[j][lane] = sum_d kt[j][d] * qt[d][lane] for the keys j < n of a tile (rows Dp apart; a spare
+ * row of zeros when n is odd) and the lanes of the first NV vectors. */
+static inline __attribute__((always_inline)) void lane_scores(const float *qt, const float *kt, long n, long D,
+                                                              long Dp, float *s, const int NV) {
+    for (long j = 0; j < n; j += 2) {
+        const float *k0 = kt + j * Dp, *k1 = k0 + Dp;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+        for (long d = 0; d < D; d++) {
+            const float *r = qt + d * PF_LANES;
+            const __m256 x = _mm256_broadcast_ss(k0 + d), y = _mm256_broadcast_ss(k1 + d);
+            LANE_FMAS
+        }
+        float *s0 = s + j * PF_LANES, *s1 = s0 + PF_LANES;
+#define STORE(i) if (NV > i) _mm256_store_ps(s0 + 8 * i, a##i), _mm256_store_ps(s1 + 8 * i, b##i);
+        STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
+#undef STORE
+    }
+}
+
+/* acc[d][lane] = acc[d][lane] * alpha[lane] + sum_j vt[j][d] * s[j][lane] over the keys j < n of a
+ * tile (rows Dp apart; a spare column of zeros when D is odd), two columns at a time. */
+static inline __attribute__((always_inline)) void lane_values(float *acc, const float *s, const float *vt,
+                                                              const float *alpha, long n, long D, long Dp,
+                                                              const int NV) {
+    for (long d = 0; d < D; d += 2) {
+        float *c0 = acc + d * PF_LANES, *c1 = c0 + PF_LANES;
+#define LOAD(i)                                                                                   \
+        if (NV > i) {                                                                             \
+            const __m256 f_ = _mm256_load_ps(alpha + 8 * i);                                      \
+            a##i = _mm256_mul_ps(_mm256_load_ps(c0 + 8 * i), f_);                                 \
+            b##i = _mm256_mul_ps(_mm256_load_ps(c1 + 8 * i), f_);                                 \
+        }
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+        LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5)
+#undef LOAD
+        for (long j = 0; j < n; j++) {
+            const float *r = s + j * PF_LANES;
+            const __m256 x = _mm256_broadcast_ss(vt + j * Dp + d), y = _mm256_broadcast_ss(vt + j * Dp + d + 1);
+            LANE_FMAS
+        }
+#define STORE(i) if (NV > i) _mm256_store_ps(c0 + 8 * i, a##i), _mm256_store_ps(c1 + 8 * i, b##i);
+        STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
+#undef STORE
+    }
+}
+#undef LANE_FMAS
+#undef LANE_FMA
+
+/* The online softmax over a tile's scores s [n][PF_LANES] (keys t0 .. t0 + n - 1) for the lanes
+ * of the first NV vectors: with `masked`, keys past a lane's position pos[lane] score -inf.
+ * m, l: each lane's running max and sum; the scores become their weights, and alpha the factor
+ * the lane's earlier weighted sum of values takes. */
+static inline __attribute__((always_inline)) void lane_softmax(float *s, long n, long t0, const int32_t *pos,
+                                                               int masked, float *m, float *l, float *alpha,
+                                                               const int NV) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (int v = 0; v < NV; v++) {
+        const __m256i p = _mm256_load_si256((const __m256i *)(pos + 8 * v));
+        const __m256 old = _mm256_load_ps(m + 8 * v);
+        __m256 top = old;
+        for (long j = 0; j < n; j++) {
+            float *sj = s + j * PF_LANES + 8 * v;
+            __m256 x = _mm256_load_ps(sj);
+            if (masked) {
+                const __m256i past = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(t0 + j)), p);
+                x = _mm256_blendv_ps(x, ninf, _mm256_castsi256_ps(past));
+                _mm256_store_ps(sj, x);
+            }
+            top = _mm256_max_ps(top, x);  /* a NaN score may be skipped here: exp_ps keeps it NaN */
+        }
+        const __m256 a = _mm256_andnot_ps(_mm256_cmp_ps(old, ninf, _CMP_EQ_OQ), exp_ps(_mm256_sub_ps(old, top)));
+        __m256 sum = _mm256_setzero_ps();
+        for (long j = 0; j < n; j++) {
+            float *sj = s + j * PF_LANES + 8 * v;
+            const __m256 w = exp_ps(_mm256_sub_ps(_mm256_load_ps(sj), top));
+            _mm256_store_ps(sj, w);
+            sum = _mm256_add_ps(sum, w);
+        }
+        _mm256_store_ps(l + 8 * v, _mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(l + 8 * v), a), sum));
+        _mm256_store_ps(m + 8 * v, top);
+        _mm256_store_ps(alpha + 8 * v, a);
+    }
+}
+
+/* A task's scratch, 32-byte aligned arrays of floats: qt [D][PF_LANES], kt and vt [PF_KEYS][Dp],
+ * s [PF_KEYS][PF_LANES], acc [Dp][PF_LANES], m, l, alpha [PF_LANES]; then pos [PF_LANES] int32. */
+static long prefill_scratch_bytes(long D) {
+    const long Dp = (D + 7) / 8 * 8;
+    return sizeof(float) * (D * PF_LANES + 2 * PF_KEYS * Dp + PF_KEYS * PF_LANES + Dp * PF_LANES + 3 * PF_LANES)
+           + sizeof(int32_t) * PF_LANES;
+}
+
+/* One task: the query lanes first .. first + count - 1 (lane i: row i / G, query head h * G + i % G)
+ * of a sequence whose query rows start at q row `row0`, at position pos0, over its keys 0 .. the
+ * last lane's position, into out (rows Hq * D). */
+static inline __attribute__((always_inline)) void prefill_task(
+        const float *q, long q_row_stride, const void *k_cache, const void *v_cache, const int64_t *table,
+        long Hq, long Hkv, long D, long bs, long h, long row0, long pos0, long first, long count, float scale,
+        float *out, float *scratch, const int NV, const int half) {
+    const long G = Hq / Hkv, Dp = (D + 7) / 8 * 8;
+    float *qt = scratch, *kt = qt + D * PF_LANES, *vt = kt + PF_KEYS * Dp, *s = vt + PF_KEYS * Dp;
+    float *acc = s + PF_KEYS * PF_LANES, *m = acc + Dp * PF_LANES, *l = m + PF_LANES, *alpha = l + PF_LANES;
+    int32_t *pos = (int32_t *)(alpha + PF_LANES);
+    for (long i = 0; i < PF_LANES; i++) {
+        const long lane = first + (i < count ? i : count - 1), r = lane / G;  /* spare lanes repeat the last */
+        const float *src = q + (row0 + r) * q_row_stride + (h * G + lane % G) * D;
+        for (long d = 0; d < D; d++) qt[d * PF_LANES + i] = src[d] * scale;
+        pos[i] = (int32_t)(pos0 + r);
+        m[i] = -INFINITY, l[i] = 0.0f;
+    }
+    for (long i = 0; i < Dp * PF_LANES; i++) acc[i] = 0.0f;
+    for (long j = 0; j < PF_KEYS; j++)  /* the columns past D stay zero (lane_values reads column D when D is odd) */
+        for (long d = D; d < Dp; d++) kt[j * Dp + d] = vt[j * Dp + d] = 0.0f;
+    const long last = pos[PF_LANES - 1], kv_row = Hkv * D;
+    long blk = 0, off = 0;
+    for (long t0 = 0; t0 <= last; t0 += PF_KEYS) {
+        const long n = last + 1 - t0 < PF_KEYS ? last + 1 - t0 : PF_KEYS;
+        for (long j = 0; j < n; j++) {  /* the tile's K and V rows, widened */
+            const long row = (table[blk] * bs + off) * kv_row + h * D;
+            float *kj = kt + j * Dp, *vj = vt + j * Dp;
+            long d = 0;
+            for (; d + 8 <= D; d += 8) {
+                _mm256_store_ps(kj + d, kv8(k_cache, row + d, half));
+                _mm256_store_ps(vj + d, kv8(v_cache, row + d, half));
+            }
+            for (; d < D; d++) kj[d] = kv1(k_cache, row + d, half), vj[d] = kv1(v_cache, row + d, half);
+            if (++off == bs) off = 0, blk++;
+        }
+        const long elt = half ? 2 : 4;  /* the next tile's rows, asked for while this one is computed */
+        for (long t = t0 + PF_KEYS; t < t0 + 2 * PF_KEYS && t <= last; t++) {
+            const long row = ((table[t / bs] * bs + t % bs) * kv_row + h * D) * elt;
+            for (long b = 0; b < D * elt; b += 64) {
+                _mm_prefetch((const char *)k_cache + row + b, _MM_HINT_T0);
+                _mm_prefetch((const char *)v_cache + row + b, _MM_HINT_T0);
+            }
+        }
+        if (n % 2)  /* the scores take keys in pairs: the spare one is zeros */
+            for (long d = 0; d < D; d++) kt[n * Dp + d] = 0.0f;
+        lane_scores(qt, kt, n, D, Dp, s, NV);
+        lane_softmax(s, n, t0, pos, t0 + n - 1 > pos[0], m, l, alpha, NV);
+        lane_values(acc, s, vt, alpha, n, D, Dp, NV);
+    }
+    for (long i = 0; i < count; i++) {
+        const long lane = first + i;
+        float *o = out + (row0 + lane / G) * Hq * D + (h * G + lane % G) * D;
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+        for (long d = 0; d < D; d++) o[d] = acc[d * PF_LANES + i] * inv;
+    }
+}
+
+/* prefill_task for each cache type, with as many vectors of lanes as `count` needs */
+#define PREFILL_TASK(NAME, HALF)                                                                  \
+    static void NAME(const float *q, long q_row_stride, const void *k_cache, const void *v_cache, \
+                     const int64_t *table, long Hq, long Hkv, long D, long bs, long h, long row0,  \
+                     long pos0, long first, long count, float scale, float *out, float *scratch) { \
+        switch ((count + 7) / 8) {                                                                \
+        case 1: prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, scale, out, scratch, 1, HALF); break; \
+        case 2: prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, scale, out, scratch, 2, HALF); break; \
+        case 3: prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, scale, out, scratch, 3, HALF); break; \
+        case 4: prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, scale, out, scratch, 4, HALF); break; \
+        case 5: prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, scale, out, scratch, 5, HALF); break; \
+        default: prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, scale, out, scratch, 6, HALF); \
+        }                                                                                         \
+    }
+PREFILL_TASK(prefill_task_f32, 0)
+PREFILL_TASK(prefill_task_f16, 1)
+#undef PREFILL_TASK
+
+/* Causal attention of S sequences' query rows over the paged cache.
+ *
+ * Sequence s's query rows are rows query_start_loc[s] .. query_start_loc[s + 1] - 1 of q (row b
+ * at q + b * q_row_stride holds its Hq heads of D, float32), at the last positions before
+ * seq_lens[s]; each sees the keys up to its own position, through row s of tables [S, W] (int64
+ * block IDs; the keys must be written). k_cache, v_cache: one layer's [num_blocks, bs, Hkv, D],
+ * float32, or float16 where kv_half. out: rows like q's, Hq * D apart, float32. The tasks (a
+ * sequence's KV head and PF_LANES of its query lanes) run longest first. Returns 0, or -1
+ * (computing nothing) when there is no memory for the scratch. */
+int paged_prefill_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
+                            const int64_t *query_start_loc, const int64_t *tables, const int64_t *seq_lens,
+                            float *out, long S, long Hq, long Hkv, long D, long bs, long W, float scale,
+                            long kv_half) {
+    const long G = Hq / Hkv;
+    long num_tasks = 0;
+    for (long s = 0; s < S; s++)
+        num_tasks += Hkv * (((query_start_loc[s + 1] - query_start_loc[s]) * G + PF_LANES - 1) / PF_LANES);
+    if (!num_tasks) return 0;
+    const long threads = omp_get_max_threads() < num_tasks ? omp_get_max_threads() : num_tasks;
+    const long scratch_floats = (prefill_scratch_bytes(D) + 63) / 64 * 16;
+    long *tasks = (long *)malloc(sizeof(long) * 3 * num_tasks);
+    float *scratch = (float *)aligned_alloc(64, sizeof(float) * scratch_floats * threads);
+    if (!tasks || !scratch) {
+        free(tasks), free(scratch);
+        return -1;
+    }
+    long t = 0;
+    for (long s = 0; s < S; s++) {
+        const long lanes = (query_start_loc[s + 1] - query_start_loc[s]) * G;
+        for (long h = 0; h < Hkv; h++)
+            for (long first = 0; first < lanes; first += PF_LANES)
+                tasks[3 * t] = s, tasks[3 * t + 1] = h, tasks[3 * t + 2] = first, t++;
+    }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (long i = num_tasks - 1; i >= 0; i--) {  /* a sequence's last lanes see the most keys */
+        const long s = tasks[3 * i], h = tasks[3 * i + 1], first = tasks[3 * i + 2];
+        const long row0 = query_start_loc[s], n = query_start_loc[s + 1] - row0, lanes = n * G;
+        const long count = lanes - first < PF_LANES ? lanes - first : PF_LANES;
+        (kv_half ? prefill_task_f16 : prefill_task_f32)(q, q_row_stride, k_cache, v_cache, tables + s * W, Hq, Hkv,
+                                                        D, bs, h, row0, seq_lens[s] - n, first, count, scale, out,
+                                                        scratch + omp_get_thread_num() * scratch_floats);
+    }
+    free(tasks), free(scratch);
+    return 0;
+}
+
 /* ---- A step of a Llama-family model in one call -------------------------------------------
  *
  * What the Python path runs for a step, op for op (the same GEMM, RMSNorm and
  * attention kernels as above), without a return to Python between them: on a 2-core machine
  * the hundreds of small torch ops and calls a step makes in Python cost about as much as
- * reading the weights (see cpu_kernels.py: StepForward). Every token, a decode or one of a
- * prefill chunk, attends as a decode row does: over its sequence's cache up to its own
- * position, which holds the whole chunk's keys once they are written (causal attention). */
+ * reading the weights (see cpu_kernels.py: StepForward). The decodes attend through
+ * paged_decode_attention, the prefill chunks through paged_prefill_attention: each token over
+ * its sequence's cache up to its own position, which holds the whole chunk's keys once they
+ * are written (causal attention). */
 
 /* A linear layer's weight as a GEMV reads it: its data and its WEIGHT_* type. */
 typedef struct {
@@ -852,24 +1099,32 @@ long step_scratch_floats(const StepModel *m) {
     return 2 * m->hidden + (m->num_heads + 2 * m->num_kv_heads) * D + m->num_heads * D + 3 * m->intermediate;
 }
 
-/* hidden [B, H]: the B tokens' embeddings in, the final norm's output out. positions, slots,
- * seq_lens [B] and tables [B, W] per token: its sequence's block table and position + 1, as
- * paged_decode_attention reads them. Slot -1 writes nothing. scratch: B * step_scratch_floats
+/* hidden [B, H]: the B tokens' embeddings in, the final norm's output out. The step's S
+ * sequences as paged_prefill_attention takes them: sequence s's tokens are rows
+ * query_start_loc[s] .. query_start_loc[s + 1] - 1, at the last positions before seq_lens[s],
+ * its blocks row s of tables [S, W]; the leading sequences of one token each are the decodes.
+ * slots [B]: each token's cache slot (-1 writes nothing). scratch: B * step_scratch_floats
  * floats. Returns 0, or before computing anything, for inputs that would read or write outside
  * the model's tables: -1 a position past the rotary table, -2 a slot past the cache, -3 a
- * length past the token's block-table row, -4 a block ID (of those the length reaches) past the
- * cache; -5 (midway) when a quantized GEMV found no memory. */
-int step_forward_f32(const StepModel *m, float *hidden, const int64_t *positions, const int64_t *slots,
-                     const int64_t *tables, const int64_t *seq_lens, long B, long W, float *scratch) {
+ * sequence with no tokens, more tokens than its length, a length past its block-table row or
+ * query_start_loc not from 0 to B, -4 a block ID (of those the length reaches) past the cache;
+ * -5 (midway) when a kernel found no memory for its scratch. */
+int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, const int64_t *query_start_loc,
+                     const int64_t *tables, const int64_t *seq_lens, long B, long S, long W, float *scratch) {
     const long H = m->hidden, I = m->intermediate, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
     const long QKV = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
-    for (long t = 0; t < B; t++) {
-        if (positions[t] < 0 || positions[t] >= m->max_position) return -1;
-        if (slots[t] < -1 || slots[t] >= m->num_slots) return -2;
-        if (seq_lens[t] < 0 || seq_lens[t] > W * m->block_size) return -3;
-        for (long j = 0; j * m->block_size < seq_lens[t]; j++)
-            if (tables[t * W + j] < 0 || (tables[t * W + j] + 1) * m->block_size > m->num_slots) return -4;
+    if (query_start_loc[0] != 0 || query_start_loc[S] != B) return -3;
+    for (long s = 0; s < S; s++) {
+        const long n = query_start_loc[s + 1] - query_start_loc[s], len = seq_lens[s];
+        if (n < 1 || len < n || len > W * m->block_size) return -3;
+        if (len > m->max_position) return -1;
+        for (long j = 0; j * m->block_size < len; j++)
+            if (tables[s * W + j] < 0 || (tables[s * W + j] + 1) * m->block_size > m->num_slots) return -4;
     }
+    for (long t = 0; t < B; t++)
+        if (slots[t] < -1 || slots[t] >= m->num_slots) return -2;
+    long nd = 0;  /* the decodes */
+    while (nd < S && query_start_loc[nd + 1] == nd + 1) nd++;
     float *residual = scratch, *x = residual + B * H, *qkv = x + B * H, *attn = qkv + B * QKV;
     float *gate_up = attn + B * Hq * D, *act = gate_up + B * 2 * I;
     for (long i = 0; i < B * H; i++) residual[i] = 0.0f;  /* the first layer adds the embeddings to it */
@@ -877,22 +1132,29 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *positions
         const StepLayer *L = m->layers + l;
         rms_norm_f32(hidden, residual, L->input_norm, x, B, H, m->eps);  /* residual += mlp out */
         if (step_gemv(m, L->qkv, x, qkv, B, QKV, H)) return -5;
-        for (long t = 0; t < B; t++) {
-            float *row = qkv + t * QKV;
-            if (L->qkv_bias)
-                for (long i = 0; i < QKV; i++) row[i] += L->qkv_bias[i];
-            if (L->q_norm && L->k_norm) {
-                rms_norm_f32(row, 0, L->q_norm, row, Hq, D, m->eps);
-                rms_norm_f32(row + Hq * D, 0, L->k_norm, row + Hq * D, Hkv, D, m->eps);
+        for (long s = 0; s < S; s++)
+            for (long t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) {
+                const long position = seq_lens[s] - (query_start_loc[s + 1] - t);
+                float *row = qkv + t * QKV;
+                if (L->qkv_bias)
+                    for (long i = 0; i < QKV; i++) row[i] += L->qkv_bias[i];
+                if (L->q_norm && L->k_norm) {
+                    rms_norm_f32(row, 0, L->q_norm, row, Hq, D, m->eps);
+                    rms_norm_f32(row + Hq * D, 0, L->k_norm, row + Hq * D, Hkv, D, m->eps);
+                }
+                rotate_heads(row, Hq + Hkv, D, m->cos_sin + position * 2 * D);
+                if (slots[t] >= 0) {
+                    store_kv(L->k_cache, slots[t] * kv_row, row + Hq * D, kv_row, m->kv_half);
+                    store_kv(L->v_cache, slots[t] * kv_row, row + Hq * D + kv_row, kv_row, m->kv_half);
+                }
             }
-            rotate_heads(row, Hq + Hkv, D, m->cos_sin + positions[t] * 2 * D);
-            if (slots[t] >= 0) {
-                store_kv(L->k_cache, slots[t] * kv_row, row + Hq * D, kv_row, m->kv_half);
-                store_kv(L->v_cache, slots[t] * kv_row, row + Hq * D + kv_row, kv_row, m->kv_half);
-            }
-        }
-        paged_decode_attention(qkv, QKV, L->k_cache, L->v_cache, tables, seq_lens, attn,
-                               B, Hq, Hkv, D, m->block_size, W, m->scale, m->kv_half);
+        if (nd)
+            paged_decode_attention(qkv, QKV, L->k_cache, L->v_cache, tables, seq_lens, attn,
+                                   nd, Hq, Hkv, D, m->block_size, W, m->scale, m->kv_half);
+        if (nd < S && paged_prefill_attention(qkv, QKV, L->k_cache, L->v_cache, query_start_loc + nd, tables + nd * W,
+                                              seq_lens + nd, attn, S - nd, Hq, Hkv, D, m->block_size, W, m->scale,
+                                              m->kv_half))
+            return -5;
         if (step_gemv(m, L->o, attn, hidden, B, H, Hq * D)) return -5;
         rms_norm_f32(hidden, residual, L->post_norm, x, B, H, m->eps);  /* residual += attention out */
         if (step_gemv(m, L->gate_up, x, gate_up, B, 2 * I, H)) return -5;
