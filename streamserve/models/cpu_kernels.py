@@ -193,7 +193,9 @@ class CpuKernels:
     @staticmethod
     def _check_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                          seq_lens: torch.Tensor, n_seqs: int) -> tuple[int, torch.Tensor]:
-        """(query heads, the output) for the attention kernels' inputs; ValueError for any they cannot read."""
+        """(query heads, the output) for the attention kernels' inputs; ValueError for any they cannot
+        read. The block tables' contents are not checked: they must cover each sequence's length with
+        block IDs inside the cache (the runner builds them so; the C step checks its own)."""
         num_kv_heads, head_dim = cache.shape[3:]
         num_heads = q.shape[1] if q.dim() == 3 else q.shape[1] // head_dim
         heads_packed = q.stride(-1) == 1 and (q.dim() == 2 or q.stride(1) == head_dim)

@@ -216,14 +216,19 @@ def test_decode_attention_refuses_what_it_cannot_read():
                                                              (32, 2, 8)])  # 16 query heads a KV head
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_prefill_attention_matches_the_torch_path(num_heads, num_kv_heads, head_dim, block_size, cache_dtype):
-    """Prefill chunks of many sizes, with and without earlier context, in one call, against
-    the torch path's SDPA per chunk on the same cache; the slots no sequence wrote hold NaN, so
-    a key read past a query's own position shows."""
+@pytest.mark.parametrize("chunks", [[(0, 5), (40, 1), (37, 100), (0, 100), (300, 70), (0, 1)],
+                                    # few tasks for the threads: each takes a chunk of the keys too,
+                                    [(2000, 4), (700, 2)],
+                                    [(0, 80)]],  # where the first rows see none of the later chunks
+                         ids=["mixed", "few-rows-long-context", "rows-across-key-chunks"])
+def test_prefill_attention_matches_the_torch_path(num_heads, num_kv_heads, head_dim, block_size, cache_dtype,
+                                                  chunks):
+    """Prefill chunks (context before, rows) of many sizes, with and without earlier context, in
+    one call, against the torch path's SDPA per chunk on the same cache; the slots no sequence
+    wrote hold NaN, so a key read past a query's own position shows."""
     from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention, write_kv
 
     gen = torch.Generator().manual_seed(num_heads * head_dim + block_size)
-    chunks = [(0, 5), (40, 1), (37, 100), (0, 100), (300, 70), (0, 1)]  # (context before, rows)
     lens = [ctx + n for ctx, n in chunks]
     num_blocks = sum(-(-n // block_size) for n in lens) + 7
     cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan")).to(cache_dtype)
@@ -377,6 +382,9 @@ def test_c_step_refuses_what_would_reach_outside_its_tables(llama_dir):
                         ((one.repeat(2), one.repeat(2), torch.tensor([0, 0, 2]), table.repeat(2, 1),
                           one.repeat(2) + 2), "no tokens"),
                         ((one, one, starts, table + runner.num_blocks, one + 1), "block ID is past"),
+                        # an ID whose slots' offset overflows int64 (it wrapped past the check once)
+                        ((one, one, starts, table + 2 ** 63 // runner.block_size + runner.num_blocks, one + 1),
+                         "block ID is past"),
                         ((one, one, starts, table.int(), one + 1), "contiguous int64"),
                         ((one, one, torch.tensor([0]), table, one + 1), "query_start_loc"),
                         ((one.repeat(many), one.repeat(many), torch.tensor([0, many]), table, one + many),

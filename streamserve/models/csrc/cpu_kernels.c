@@ -671,6 +671,46 @@ static void attend_span_f16(const float *q, const void *k_cache, const void *v_c
     attend_span(q, k_cache, v_cache, table, Hq, Hkv, D, bs, start, end, mp, lp, acc, 1);
 }
 
+/* Into how many chunks the keys of each of `tasks` tasks are split, so that every thread has
+ * work: aim at 8 tasks a thread, in chunks of >= 256 keys, but one for every thread down to 64
+ * keys each (one sequence of 100-256 keys: 1.2-1.45x). */
+static long key_chunks(long tasks, long max_len, long threads) {
+    if (tasks >= 8 * threads) return 1;
+    const long want = (8 * threads + tasks - 1) / tasks;
+    const long coarse = (max_len + 255) / 256, fine = (max_len + 63) / 64, even = fine < threads ? fine : threads;
+    const long by_length = coarse > even ? coarse : even;
+    const long chunks = want < by_length ? want : by_length;
+    return chunks > 1 ? chunks : 1;
+}
+
+/* out [B, Hq, D] from the partial results of each row's `chunks` chunks of keys, laid out per
+ * (row, chunk) as Hq maxima, Hq sums and Hq x D unnormalised outputs: merged by their
+ * log-sum-exp (flash-decoding). A chunk that saw no key (sum 0) is skipped. */
+static void merge_chunks(const float *part, long chunks, long B, long Hq, long D, float *out) {
+    const long part_size = 2 * Hq + Hq * D;
+    for (long b = 0; b < B; b++) {
+        const float *p0 = part + b * chunks * part_size;
+        for (long h = 0; h < Hq; h++) {
+            float top = -INFINITY, total = 0.0f;
+            for (long c = 0; c < chunks; c++) {
+                const float mc = p0[c * part_size + h];
+                top = mc > top ? mc : top;
+            }
+            float *o = out + (b * Hq + h) * D;
+            for (long d = 0; d < D; d++) o[d] = 0.0f;
+            for (long c = 0; c < chunks; c++) {
+                const float *pc = p0 + c * part_size;
+                if (pc[Hq + h] == 0.0f) continue;  /* a chunk that saw no key */
+                const float w = expf(pc[h] - top);
+                total += w * pc[Hq + h];
+                axpy_f32(o, w, pc + 2 * Hq + h * D, D);
+            }
+            const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+            for (long d = 0; d < D; d++) o[d] *= inv;
+        }
+    }
+}
+
 /* Decode attention over a paged KV cache, one query token per sequence.
  *
  * q: row b at q + b * q_row_stride holds its Hq heads of D, float32; k_cache, v_cache: one
@@ -693,18 +733,7 @@ void paged_decode_attention(const float *q, long q_row_stride, const void *k_cac
     const long QD = Hq * D;
     long max_len = 0;
     for (long b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
-    const long threads = omp_get_max_threads();
-    long chunks = 1;
-    if (B < 8 * threads) {  /* aim at 8 tasks a thread, for balance */
-        chunks = (8 * threads + B - 1) / B;
-        /* chunks of >= 256 keys, but one for every thread down to 64 keys each (one sequence of
-         * 100-256 keys: 1.2-1.45x) */
-        const long coarse = (max_len + 4 * ATTN_TILE - 1) / (4 * ATTN_TILE);
-        const long fine = (max_len + ATTN_TILE - 1) / ATTN_TILE, even = fine < threads ? fine : threads;
-        const long by_length = coarse > even ? coarse : even;
-        chunks = chunks < by_length ? chunks : by_length;
-        chunks = chunks > 1 ? chunks : 1;
-    }
+    long chunks = key_chunks(B, max_len, omp_get_max_threads());
     /* per (sequence, chunk): Hq maxima, Hq sums, Hq x D accumulators */
     const long part_size = 2 * Hq + QD;
     float *part = chunks > 1 ? (float *)malloc(sizeof(float) * B * chunks * part_size) : 0;
@@ -733,27 +762,7 @@ void paged_decode_attention(const float *q, long q_row_stride, const void *k_cac
         }
     }
     if (chunks > 1) {
-        for (long b = 0; b < B; b++) {
-            const float *p0 = part + b * chunks * part_size;
-            for (long h = 0; h < Hq; h++) {
-                float top = -INFINITY, total = 0.0f;
-                for (long c = 0; c < chunks; c++) {
-                    const float mc = p0[c * part_size + h];
-                    top = mc > top ? mc : top;
-                }
-                float *o = out + (b * Hq + h) * D;
-                for (long d = 0; d < D; d++) o[d] = 0.0f;
-                for (long c = 0; c < chunks; c++) {
-                    const float *pc = p0 + c * part_size;
-                    if (pc[Hq + h] == 0.0f) continue;  /* a chunk that saw no key */
-                    const float w = expf(pc[h] - top);
-                    total += w * pc[Hq + h];
-                    axpy_f32(o, w, pc + 2 * Hq + h * D, D);
-                }
-                const float inv = total > 0.0f ? 1.0f / total : 0.0f;
-                for (long d = 0; d < D; d++) o[d] *= inv;
-            }
-        }
+        merge_chunks(part, chunks, B, Hq, D, out);
         free(part);
     }
 }
@@ -859,10 +868,12 @@ static inline __attribute__((always_inline)) void lane_softmax(float *s, long n,
             top = _mm256_max_ps(top, x);  /* a NaN score may be skipped here: exp_ps keeps it NaN */
         }
         const __m256 a = _mm256_andnot_ps(_mm256_cmp_ps(old, ninf, _CMP_EQ_OQ), exp_ps(_mm256_sub_ps(old, top)));
+        /* a lane that has seen no key yet (a chunk of keys past its position) weighs them 0 */
+        const __m256 base = _mm256_andnot_ps(_mm256_cmp_ps(top, ninf, _CMP_EQ_OQ), top);
         __m256 sum = _mm256_setzero_ps();
         for (long j = 0; j < n; j++) {
             float *sj = s + j * PF_LANES + 8 * v;
-            const __m256 w = exp_ps(_mm256_sub_ps(_mm256_load_ps(sj), top));
+            const __m256 w = exp_ps(_mm256_sub_ps(_mm256_load_ps(sj), base));
             _mm256_store_ps(sj, w);
             sum = _mm256_add_ps(sum, w);
         }
@@ -881,12 +892,15 @@ static long prefill_scratch_bytes(long D) {
 }
 
 /* One task: the query lanes first .. first + count - 1 (lane i: row i / G, query head h * G + i % G)
- * of a sequence whose query rows start at q row `row0`, at position pos0, over its keys 0 .. the
- * last lane's position, into out (rows Hq * D). */
+ * of a sequence whose query rows start at q row `row0`, at position pos0, over its keys k0 .. k1 - 1
+ * (up to the last lane's position), into out (rows Hq * D), or where `part` is given, their
+ * partial results for merge_chunks: the lane's row's chunk c of `chunks` at part (rows from the
+ * call's first). */
 static inline __attribute__((always_inline)) void prefill_task(
         const float *q, long q_row_stride, const void *k_cache, const void *v_cache, const int64_t *table,
-        long Hq, long Hkv, long D, long bs, long h, long row0, long pos0, long first, long count, float scale,
-        float *out, float *scratch, const int NV, const int half) {
+        long Hq, long Hkv, long D, long bs, long h, long row0, long pos0, long first, long count, long k0,
+        long k1, float scale, float *out, float *part, long part_row0, long c, long chunks, float *scratch,
+        const int NV, const int half) {
     const long G = Hq / Hkv, Dp = (D + 7) / 8 * 8;
     float *qt = scratch, *kt = qt + D * PF_LANES, *vt = kt + PF_KEYS * Dp, *s = vt + PF_KEYS * Dp;
     float *acc = s + PF_KEYS * PF_LANES, *m = acc + Dp * PF_LANES, *l = m + PF_LANES, *alpha = l + PF_LANES;
@@ -901,10 +915,10 @@ static inline __attribute__((always_inline)) void prefill_task(
     for (long i = 0; i < Dp * PF_LANES; i++) acc[i] = 0.0f;
     for (long j = 0; j < PF_KEYS; j++)  /* the columns past D stay zero (lane_values reads column D when D is odd) */
         for (long d = D; d < Dp; d++) kt[j * Dp + d] = vt[j * Dp + d] = 0.0f;
-    const long last = pos[PF_LANES - 1], kv_row = Hkv * D;
-    long blk = 0, off = 0;
-    for (long t0 = 0; t0 <= last; t0 += PF_KEYS) {
-        const long n = last + 1 - t0 < PF_KEYS ? last + 1 - t0 : PF_KEYS;
+    const long end = pos[PF_LANES - 1] + 1 < k1 ? pos[PF_LANES - 1] + 1 : k1, kv_row = Hkv * D;
+    long blk = k0 / bs, off = k0 % bs;
+    for (long t0 = k0; t0 < end; t0 += PF_KEYS) {
+        const long n = end - t0 < PF_KEYS ? end - t0 : PF_KEYS;
         for (long j = 0; j < n; j++) {  /* the tile's K and V rows, widened */
             const long row = (table[blk] * bs + off) * kv_row + h * D;
             float *kj = kt + j * Dp, *vj = vt + j * Dp;
@@ -917,7 +931,7 @@ static inline __attribute__((always_inline)) void prefill_task(
             if (++off == bs) off = 0, blk++;
         }
         const long elt = half ? 2 : 4;  /* the next tile's rows, asked for while this one is computed */
-        for (long t = t0 + PF_KEYS; t < t0 + 2 * PF_KEYS && t <= last; t++) {
+        for (long t = t0 + PF_KEYS; t < t0 + 2 * PF_KEYS && t < end; t++) {
             const long row = ((table[t / bs] * bs + t % bs) * kv_row + h * D) * elt;
             for (long b = 0; b < D * elt; b += 64) {
                 _mm_prefetch((const char *)k_cache + row + b, _MM_HINT_T0);
@@ -931,10 +945,16 @@ static inline __attribute__((always_inline)) void prefill_task(
         lane_values(acc, s, vt, alpha, n, D, Dp, NV);
     }
     for (long i = 0; i < count; i++) {
-        const long lane = first + i;
-        float *o = out + (row0 + lane / G) * Hq * D + (h * G + lane % G) * D;
-        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
-        for (long d = 0; d < D; d++) o[d] = acc[d * PF_LANES + i] * inv;
+        const long lane = first + i, head = h * G + lane % G;
+        if (part) {
+            float *p = part + ((row0 - part_row0 + lane / G) * chunks + c) * (2 * Hq + Hq * D);
+            p[head] = m[i], p[Hq + head] = l[i];
+            for (long d = 0; d < D; d++) p[2 * Hq + head * D + d] = acc[d * PF_LANES + i];
+        } else {
+            float *o = out + (row0 + lane / G) * Hq * D + head * D;
+            const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+            for (long d = 0; d < D; d++) o[d] = acc[d * PF_LANES + i] * inv;
+        }
     }
 }
 
@@ -942,18 +962,21 @@ static inline __attribute__((always_inline)) void prefill_task(
 #define PREFILL_TASK(NAME, HALF)                                                                  \
     static void NAME(const float *q, long q_row_stride, const void *k_cache, const void *v_cache, \
                      const int64_t *table, long Hq, long Hkv, long D, long bs, long h, long row0,  \
-                     long pos0, long first, long count, float scale, float *out, float *scratch) { \
+                     long pos0, long first, long count, long k0, long k1, float scale, float *out, \
+                     float *part, long part_row0, long c, long chunks, float *scratch) {           \
         switch ((count + 7) / 8) {                                                                \
-        case 1: prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, scale, out, scratch, 1, HALF); break; \
-        case 2: prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, scale, out, scratch, 2, HALF); break; \
-        case 3: prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, scale, out, scratch, 3, HALF); break; \
-        case 4: prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, scale, out, scratch, 4, HALF); break; \
-        case 5: prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, scale, out, scratch, 5, HALF); break; \
-        default: prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, scale, out, scratch, 6, HALF); \
+        TASK_CASE(1, HALF) TASK_CASE(2, HALF) TASK_CASE(3, HALF)                                  \
+        TASK_CASE(4, HALF) TASK_CASE(5, HALF) default: TASK_CASE(6, HALF)                         \
         }                                                                                         \
     }
+#define TASK_CASE(NV, HALF)                                                                       \
+    case NV:                                                                                      \
+        prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, \
+                     k0, k1, scale, out, part, part_row0, c, chunks, scratch, NV, HALF);          \
+        break;
 PREFILL_TASK(prefill_task_f32, 0)
 PREFILL_TASK(prefill_task_f16, 1)
+#undef TASK_CASE
 #undef PREFILL_TASK
 
 /* Causal attention of S sequences' query rows over the paged cache.
@@ -963,23 +986,30 @@ PREFILL_TASK(prefill_task_f16, 1)
  * seq_lens[s]; each sees the keys up to its own position, through row s of tables [S, W] (int64
  * block IDs; the keys must be written). k_cache, v_cache: one layer's [num_blocks, bs, Hkv, D],
  * float32, or float16 where kv_half. out: rows like q's, Hq * D apart, float32. The tasks (a
- * sequence's KV head and PF_LANES of its query lanes) run longest first. Returns 0, or -1
- * (computing nothing) when there is no memory for the scratch. */
+ * sequence's KV head and PF_LANES of its query lanes) run longest first; with too few of them
+ * for the threads (a few rows after a long context: a prompt's last chunk, a cached chat's new
+ * turn) each also takes only a chunk of the keys, merged after as the decodes' are. Returns 0,
+ * or -1 (computing nothing) when there is no memory for the scratch. */
 int paged_prefill_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
                             const int64_t *query_start_loc, const int64_t *tables, const int64_t *seq_lens,
                             float *out, long S, long Hq, long Hkv, long D, long bs, long W, float scale,
                             long kv_half) {
-    const long G = Hq / Hkv;
-    long num_tasks = 0;
-    for (long s = 0; s < S; s++)
+    const long G = Hq / Hkv, row0 = query_start_loc[0], rows = query_start_loc[S] - row0;
+    long num_tasks = 0, max_len = 0;
+    for (long s = 0; s < S; s++) {
         num_tasks += Hkv * (((query_start_loc[s + 1] - query_start_loc[s]) * G + PF_LANES - 1) / PF_LANES);
+        max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+    }
     if (!num_tasks) return 0;
+    const long chunks = key_chunks(num_tasks, max_len, omp_get_max_threads());
+    num_tasks *= chunks;
     const long threads = omp_get_max_threads() < num_tasks ? omp_get_max_threads() : num_tasks;
     const long scratch_floats = (prefill_scratch_bytes(D) + 63) / 64 * 16;
-    long *tasks = (long *)malloc(sizeof(long) * 3 * num_tasks);
+    long *tasks = (long *)malloc(sizeof(long) * 4 * num_tasks);
     float *scratch = (float *)aligned_alloc(64, sizeof(float) * scratch_floats * threads);
-    if (!tasks || !scratch) {
-        free(tasks), free(scratch);
+    float *part = chunks > 1 ? (float *)malloc(sizeof(float) * rows * chunks * (2 * Hq + Hq * D)) : 0;
+    if (!tasks || !scratch || (chunks > 1 && !part)) {
+        free(tasks), free(scratch), free(part);
         return -1;
     }
     long t = 0;
@@ -987,18 +1017,22 @@ int paged_prefill_attention(const float *q, long q_row_stride, const void *k_cac
         const long lanes = (query_start_loc[s + 1] - query_start_loc[s]) * G;
         for (long h = 0; h < Hkv; h++)
             for (long first = 0; first < lanes; first += PF_LANES)
-                tasks[3 * t] = s, tasks[3 * t + 1] = h, tasks[3 * t + 2] = first, t++;
+                for (long c = 0; c < chunks; c++)
+                    tasks[4 * t] = s, tasks[4 * t + 1] = h, tasks[4 * t + 2] = first, tasks[4 * t + 3] = c, t++;
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
     for (long i = num_tasks - 1; i >= 0; i--) {  /* a sequence's last lanes see the most keys */
-        const long s = tasks[3 * i], h = tasks[3 * i + 1], first = tasks[3 * i + 2];
-        const long row0 = query_start_loc[s], n = query_start_loc[s + 1] - row0, lanes = n * G;
-        const long count = lanes - first < PF_LANES ? lanes - first : PF_LANES;
+        const long s = tasks[4 * i], h = tasks[4 * i + 1], first = tasks[4 * i + 2], c = tasks[4 * i + 3];
+        const long start = query_start_loc[s], n = query_start_loc[s + 1] - start, lanes = n * G;
+        const long count = lanes - first < PF_LANES ? lanes - first : PF_LANES, per = (seq_lens[s] + chunks - 1) / chunks;
         (kv_half ? prefill_task_f16 : prefill_task_f32)(q, q_row_stride, k_cache, v_cache, tables + s * W, Hq, Hkv,
-                                                        D, bs, h, row0, seq_lens[s] - n, first, count, scale, out,
+                                                        D, bs, h, start, seq_lens[s] - n, first, count, c * per,
+                                                        (c + 1) * per, scale, out, part, row0, c, chunks,
                                                         scratch + omp_get_thread_num() * scratch_floats);
     }
-    free(tasks), free(scratch);
+    if (part)
+        merge_chunks(part, chunks, rows, Hq, D, out + row0 * Hq * D);
+    free(tasks), free(scratch), free(part);
     return 0;
 }
 
@@ -1119,7 +1153,7 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
         if (n < 1 || len < n || len > W * m->block_size) return -3;
         if (len > m->max_position) return -1;
         for (long j = 0; j * m->block_size < len; j++)
-            if (tables[s * W + j] < 0 || (tables[s * W + j] + 1) * m->block_size > m->num_slots) return -4;
+            if (tables[s * W + j] < 0 || tables[s * W + j] >= m->num_slots / m->block_size) return -4;
     }
     for (long t = 0; t < B; t++)
         if (slots[t] < -1 || slots[t] >= m->num_slots) return -2;
