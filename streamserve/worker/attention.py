@@ -39,7 +39,7 @@ class AttentionMetadata:
     decode_block_tables: Optional[torch.Tensor]  # [num_decodes, max_blocks] int64
     # [num_decodes, 1, 1, max_blocks * block_size] additive; None when no row needs masking
     decode_mask: Optional[torch.Tensor]
-    prefills: list[PrefillChunk]
+    prefills: list[PrefillChunk]  # each chunk, unless the C kernel takes them (prefill_seq_lens set)
     # [num_decodes] int64: set when the decodes go through the C kernel (which needs no mask)
     decode_seq_lens: Optional[torch.Tensor] = None
     # set when the prefill chunks go through the C kernel, as it takes them (int64): their rows
@@ -66,7 +66,7 @@ class TorchPagedAttention:
         cache = self.kv_caches[layer_idx]
         write_kv(cache, k, v, self.meta.slot_mapping)
         nd, prefills = self.meta.num_decodes, self.meta.prefills
-        if not prefills:  # the common pure-decode step: no output buffer to fill
+        if not prefills and self.meta.prefill_seq_lens is None:  # the common pure-decode step: no output to fill
             return self._decode(q, cache)
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype, device=q.device)
         if nd:

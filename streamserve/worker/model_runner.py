@@ -441,16 +441,16 @@ class ModelRunner:
                 slot_mapping=slot_mapping, query_start_loc=self.to_device(loc.astype(np.int32)),
                 seq_lens=self.to_device(seq_lens.astype(np.int32)), block_tables=self.to_device(tables.astype(np.int32)),
                 num_decodes=nd, max_query_len=max([1] + [n for n, _ in chunks]), num_splits=num_splits)
-        prefills, start = [], nd
-        for i, (n, ctx) in enumerate(chunks):
-            prefills.append(PrefillChunk(start, start + n, ctx, self.to_device(tables[nd + i, :-(-(ctx + n) // bs)])))
-            start += n
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=nd,
-                                 decode_block_tables=None, decode_mask=None, prefills=prefills)
+                                 decode_block_tables=None, decode_mask=None, prefills=[])
         if chunks and self.cpu_attention:  # the C kernel takes every chunk at once
             meta.prefill_query_start_loc = self.to_device(loc[nd:] - nd)
             meta.prefill_block_tables = self.to_device(np.ascontiguousarray(tables[nd:]))
             meta.prefill_seq_lens = self.to_device(seq_lens[nd:])
+        else:
+            for i, (n, ctx) in enumerate(chunks):
+                blocks = self.to_device(tables[nd + i, :-(-(ctx + n) // bs)])
+                meta.prefills.append(PrefillChunk(int(loc[nd + i]), int(loc[nd + i + 1]), ctx, blocks))
         if nd:  # the decodes' tables, as wide as the longest needs
             max_blocks = -(-max_decode_len // bs)
             meta.decode_block_tables = self.to_device(np.ascontiguousarray(tables[:nd, :max_blocks]))
