@@ -201,8 +201,7 @@ class ModelRunner:
         return dtype
 
     def kv_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * self.model.arch.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return 2 * self.model.arch.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.kv_dtype.itemsize
 
     def _determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -271,8 +270,7 @@ class ModelRunner:
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         same_size = {2: np.uint16, 4: np.float32, 8: np.float64}
-        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return torch.from_numpy(np.zeros(shape, dtype=same_size[elem])).view(self.kv_dtype)
+        return torch.from_numpy(np.zeros(shape, dtype=same_size[self.kv_dtype.itemsize])).view(self.kv_dtype)
 
     # -- one step ----------------------------------------------------------------
 

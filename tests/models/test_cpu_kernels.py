@@ -149,6 +149,20 @@ def test_rms_norm_refuses_what_it_cannot_read():
         kernels.rms_norm(torch.randn(4, 8).t(), torch.ones(4), 1e-5)
 
 
+def scattered_tables(lens: list[int], block_size: int, gen: torch.Generator) -> tuple[int, torch.Tensor]:
+    """Block tables [len(lens), blocks of the longest] for sequences of these lengths, their blocks
+    scattered over a pool with 7 to spare: (the pool's size, the tables; 0 past a sequence's blocks)."""
+    num_blocks = sum(-(-n // block_size) for n in lens) + 7
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), -(-max(lens) // block_size), dtype=torch.int64)
+    used = 0
+    for i, n in enumerate(lens):
+        nb = -(-n // block_size)
+        tables[i, :nb] = order[used:used + nb]
+        used += nb
+    return num_blocks, tables
+
+
 @needs_kernel
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (6, 3, 48), (2, 2, 20)])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -161,16 +175,9 @@ def test_decode_attention_matches_the_torch_path(num_heads, num_kv_heads, head_d
     from streamserve.worker.attention import AttentionMetadata, TorchPagedAttention
 
     gen = torch.Generator().manual_seed(num_heads * head_dim + block_size)
-    num_blocks = sum(-(-n // block_size) for n in lens) + 7
+    num_blocks, tables = scattered_tables(lens, block_size, gen)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
-    width = -(-max(lens) // block_size)
-    order = torch.randperm(num_blocks, generator=gen)  # blocks scattered over the pool
-    tables = torch.zeros(len(lens), width, dtype=torch.int64)
-    used = 0
-    for i, n in enumerate(lens):
-        nb = -(-n // block_size)
-        tables[i, :nb] = order[used:used + nb]
-        used += nb
+    width = tables.shape[1]
     # q as the fused QKV output's first columns: strided rows
     qkv = torch.randn(len(lens), (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
     q = qkv[:, :num_heads * head_dim].view(len(lens), num_heads, head_dim)
@@ -230,15 +237,9 @@ def test_prefill_attention_matches_the_torch_path(num_heads, num_kv_heads, head_
 
     gen = torch.Generator().manual_seed(num_heads * head_dim + block_size)
     lens = [ctx + n for ctx, n in chunks]
-    num_blocks = sum(-(-n // block_size) for n in lens) + 7
+    num_blocks, tables = scattered_tables(lens, block_size, gen)
     cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan")).to(cache_dtype)
-    order = torch.randperm(num_blocks, generator=gen)  # blocks scattered over the pool
-    tables = torch.zeros(len(lens), -(-max(lens) // block_size), dtype=torch.int64)
-    used = 0
     for i, n in enumerate(lens):
-        nb = -(-n // block_size)
-        tables[i, :nb] = order[used:used + nb]
-        used += nb
         pos = torch.arange(n)
         slots = tables[i, pos // block_size] * block_size + pos % block_size
         write_kv(cache, *torch.randn(2, n, num_kv_heads, head_dim, generator=gen), slots)
@@ -256,8 +257,8 @@ def test_prefill_attention_matches_the_torch_path(num_heads, num_kv_heads, head_
     torch_path = TorchPagedAttention([cache], meta, num_heads, num_kv_heads, head_dim)
     for chunk in prefills:  # its K and V as the torch path takes them (it reads back the earlier ones)
         rows = slice(chunk.query_start, chunk.query_end)
-        k = cache[0].index_select(0, chunk.block_ids).flatten(0, 1)[chunk.num_computed_tokens:][:rows.stop - rows.start]
-        v = cache[1].index_select(0, chunk.block_ids).flatten(0, 1)[chunk.num_computed_tokens:][:rows.stop - rows.start]
+        k, v = (cache[i].index_select(0, chunk.block_ids).flatten(0, 1)[chunk.num_computed_tokens:][:rows.stop - rows.start]
+                for i in (0, 1))
         ref = torch_path._prefill(q[rows], k.float(), v.float(), cache, chunk)
         torch.testing.assert_close(out[rows], ref, rtol=1e-5, atol=1e-5)
 
