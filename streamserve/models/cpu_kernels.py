@@ -94,12 +94,14 @@ def _compiler() -> Optional[str]:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str) -> str:
+def _build(compiler: str, flags: tuple[str, ...] = ()) -> str:
+    """The shared library's path, built with FLAGS and `flags` unless this machine has it already."""
     from streamserve.models.resolve import cache_dir
 
+    flags = [*FLAGS, *flags]
     with open(SOURCE, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(source + " ".join([compiler, *FLAGS, platform.node()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([compiler, *flags, platform.node()]).encode()).hexdigest()[:16]
     out_dir = os.path.join(cache_dir(), "kernels")
     target = os.path.join(out_dir, f"cpu_kernels-{key}.so")
     if os.path.exists(target):
@@ -108,7 +110,7 @@ def _build(compiler: str) -> str:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, SOURCE, "-o", tmp], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *flags, SOURCE, "-o", tmp], check=True, capture_output=True, text=True)
         os.replace(tmp, target)  # atomic: two processes building at once both end up with one file
     finally:
         if os.path.exists(tmp):
@@ -250,6 +252,13 @@ def load() -> Optional[CpuKernels]:
         logger.info("CPU kernels not used (%s): the CPU path uses torch ops only", reason)
         return None
     return CpuKernels(lib)
+
+
+@lru_cache(maxsize=None)
+def built_with(flags: tuple[str, ...]) -> CpuKernels:
+    """The kernels built with extra compiler flags, for tests and benchmarks: e.g. ("-mno-avx512f",)
+    on a CPU with AVX-512 runs the 256-bit code other CPUs run."""
+    return CpuKernels(ctypes.CDLL(_build(_compiler(), flags)))
 
 
 def _wrap_gemm(fn, dtype: torch.dtype):

@@ -23,19 +23,34 @@ needs_kernel = pytest.mark.skipif(kernels is None, reason="the CPU kernels do no
                                   "(needs x86-64 with AVX2 and a C compiler)")
 
 
+def has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+# The GEMM as this CPU builds it, and where that is the 512-bit code, the 256-bit code too.
+GEMM_BUILDS = [pytest.param((), id="native")] + (
+    [pytest.param(("-mno-avx512f",), id="avx2")] if kernels is not None and has_avx512() else [])
+
+
 @needs_kernel
+@pytest.mark.parametrize("build", GEMM_BUILDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-# tiles of 6 vectors and what is left, blocks of 96 and what is left
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 16, 97])
-# whole panels of 16 rows, a part-filled last one, a lone part-filled one
-@pytest.mark.parametrize("n,k", [(37, 577), (64, 64), (5, 7), (16, 1)])
-def test_packed_gemm_matches_float64(dtype, m, n, k):
+# tiles of 6 (AVX2) or 12 (AVX-512) vectors and what is left, blocks of 96 and what is left
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 11, 16, 97])
+# whole panels of 16 rows, a part-filled last one, a lone part-filled one; (AVX-512, panels in
+# pairs) a whole pair and a lone part-filled panel, a pair whose second panel is part-filled
+@pytest.mark.parametrize("n,k", [(37, 577), (64, 64), (5, 7), (16, 1), (40, 33)])
+def test_packed_gemm_matches_float64(build, dtype, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen).to(dtype)
     packed = cpu_kernels.pack_weight(w)
     assert packed.panels.shape == (-(-n // 16), k, 16) and packed.out_features == n
-    y = kernels.gemm[dtype](x, packed)
+    y = (cpu_kernels.built_with(build) if build else kernels).gemm[dtype](x, packed)
     ref = x.double() @ w.double().t()
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5

@@ -21,6 +21,9 @@
  * of keys shared by 48 query vectors at a time.
  *
  * step_forward_f32: a whole step (up to a few hundred tokens) through every layer of a Llama-family model.
+ *
+ * Built with -march=native: where the CPU has AVX-512, the packed GEMM takes 512-bit tiles
+ * (twice the FMA width; the rest stays on 256-bit vectors).
  */
 #include <immintrin.h>
 #include <float.h>
@@ -137,9 +140,112 @@ static inline void panel_f32(const float *p, __m256 *lo, __m256 *hi) {
         }                                                                                         \
     }
 
+#ifndef __AVX512F__
 DEFINE_PACKED_GEMM(gemm_packed_bf16, uint16_t, panel_bf16)
 DEFINE_PACKED_GEMM(gemm_packed_f16, uint16_t, panel_f16)
 DEFINE_PACKED_GEMM(gemm_packed_f32, float, panel_f32)
+#else
+/* With AVX-512 (built with -march=native on such a CPU) the same layout, a panel's 16 weights
+ * of one k in one 512-bit vector, and two panels at a time against up to 12 rows of x: 24 of
+ * the 32 registers accumulate, per k 24 FMAs (each with its broadcast of x folded in) against
+ * two loads of weights. A bfloat16 panel widens with a zero-extension and a shift, which leaves
+ * the rows in the packed order (0, 8, 1, 9, ... 7, 15); the store puts them back in order. */
+#define PANEL_MR512 12
+
+static inline __m512 panel512_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512 panel512_f16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+static inline __m512 panel512_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+#define PANEL512_FMA(i)                                                                           \
+    if (MR > i) {                                                                                 \
+        const __m512 b = _mm512_set1_ps(x[i * K + k]);                                            \
+        c##i##_0 = _mm512_fmadd_ps(b, w0, c##i##_0);                                              \
+        if (NP > 1) c##i##_1 = _mm512_fmadd_ps(b, w1, c##i##_1);                                  \
+    }
+#define PANEL512_STORE(i, ORDER)                                                                  \
+    if (MR > i) {                                                                                 \
+        _mm512_mask_storeu_ps(y + i * N, mask0, ORDER(c##i##_0));                                 \
+        if (NP > 1) _mm512_mask_storeu_ps(y + i * N + PANEL, mask1, ORDER(c##i##_1));             \
+    }
+
+/* MR (<= PANEL_MR512) rows of x (K apart) against NP (1 or 2) panels (K * PANEL apart), into
+ * the panels' `cols` columns of y (rows N apart); ORDER(v) puts a panel's lanes in row order. */
+#define DEFINE_PANEL512_TILE(NAME, T, LOAD, ORDER)                                                \
+    static inline __attribute__((always_inline)) void NAME(                                       \
+        const float *x, const T *w, float *y, long K, long N, long cols, const int MR, const int NP) { \
+        __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0;     \
+        __m512 c2_1 = c0_0, c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0;       \
+        __m512 c5_1 = c0_0, c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0, c7_1 = c0_0, c8_0 = c0_0;       \
+        __m512 c8_1 = c0_0, c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0;    \
+        __m512 c11_1 = c0_0;                                                                      \
+        const T *v = w + K * PANEL;                                                               \
+        for (long k = 0; k < K; k++) {                                                            \
+            /* 16 k on (a hint: past the end it never faults): a step of a few tokens waits on \
+             * memory, and 16 rows ran 1.3x faster than with the hardware prefetcher alone */   \
+            _mm_prefetch((const char *)(w + (k + 16) * PANEL), _MM_HINT_T0);                      \
+            if (NP > 1) _mm_prefetch((const char *)(v + (k + 16) * PANEL), _MM_HINT_T0);          \
+            const __m512 w0 = LOAD(w + k * PANEL), w1 = NP > 1 ? LOAD(v + k * PANEL) : w0;        \
+            PANEL512_FMA(0) PANEL512_FMA(1) PANEL512_FMA(2) PANEL512_FMA(3) PANEL512_FMA(4)       \
+            PANEL512_FMA(5) PANEL512_FMA(6) PANEL512_FMA(7) PANEL512_FMA(8) PANEL512_FMA(9)       \
+            PANEL512_FMA(10) PANEL512_FMA(11)                                                     \
+        }                                                                                         \
+        const long c0 = cols < PANEL ? cols : PANEL, c1 = cols - PANEL;                           \
+        const __mmask16 mask0 = (__mmask16)((1u << c0) - 1), mask1 = (__mmask16)(c1 > 0 ? (1u << c1) - 1 : 0); \
+        PANEL512_STORE(0, ORDER) PANEL512_STORE(1, ORDER) PANEL512_STORE(2, ORDER)                \
+        PANEL512_STORE(3, ORDER) PANEL512_STORE(4, ORDER) PANEL512_STORE(5, ORDER)                \
+        PANEL512_STORE(6, ORDER) PANEL512_STORE(7, ORDER) PANEL512_STORE(8, ORDER)                \
+        PANEL512_STORE(9, ORDER) PANEL512_STORE(10, ORDER) PANEL512_STORE(11, ORDER)              \
+    }
+
+#define PANEL512_ROWS(NAME, NP)                                                                   \
+    for (; m + PANEL_MR512 <= m1; m += PANEL_MR512) NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, PANEL_MR512, NP); \
+    switch (m1 - m) {                                                                             \
+    case 11: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 11, NP); break;                \
+    case 10: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 10, NP); break;                \
+    case 9: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 9, NP); break;                  \
+    case 8: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 8, NP); break;                  \
+    case 7: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 7, NP); break;                  \
+    case 6: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 6, NP); break;                  \
+    case 5: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 5, NP); break;                  \
+    case 4: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 4, NP); break;                  \
+    case 3: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 3, NP); break;                  \
+    case 2: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 2, NP); break;                  \
+    case 1: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 1, NP); break;                  \
+    }
+
+/* Pairs of panels across the OpenMP threads, the last one alone where their number is odd,
+ * each against every row of x (on the CPUs that have AVX-512, x's rows fit the L2 cache, and
+ * blocks of 96 rows measured the same). */
+#define DEFINE_PACKED_GEMM512(NAME, T, LOAD, ORDER)                                               \
+    DEFINE_PANEL512_TILE(NAME##_tile, T, LOAD, ORDER)                                             \
+    void NAME(const float *x, const T *w, float *y, long M, long N, long K) {                     \
+        const long panels = (N + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;                    \
+        const long m1 = M;  /* PANEL512_ROWS's end */                                             \
+        _Pragma("omp parallel for schedule(static) if (pairs > 1)")                               \
+        for (long p = 0; p < pairs; p++) {                                                        \
+            const long n = 2 * p * PANEL, cols = N - n < 2 * PANEL ? N - n : 2 * PANEL;           \
+            const T *wp = w + n * K;                                                              \
+            long m = 0;                                                                           \
+            if (cols > PANEL) { PANEL512_ROWS(NAME, 2) } else { PANEL512_ROWS(NAME, 1) }          \
+        }                                                                                         \
+    }
+
+/* The bfloat16 panel's lanes hold rows 0, 8, 1, 9, ...: lane 2j row j, lane 2j + 1 row j + 8. */
+static inline __m512 bf16_rows_in_order(__m512 v) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), v);
+}
+#define IN_ORDER(v) (v)
+
+DEFINE_PACKED_GEMM512(gemm_packed_bf16, uint16_t, panel512_bf16, bf16_rows_in_order)
+DEFINE_PACKED_GEMM512(gemm_packed_f16, uint16_t, panel512_f16, IN_ORDER)
+DEFINE_PACKED_GEMM512(gemm_packed_f32, float, panel512_f32, IN_ORDER)
+#endif
 
 /* ---- The dot-product tiles the quantized GEMVs share ---------------------------------------- */
 
