@@ -31,13 +31,18 @@ def has_avx512() -> bool:
         return False
 
 
-# The GEMM as this CPU builds it, and where that is the 512-bit code, the 256-bit code too.
-GEMM_BUILDS = [pytest.param((), id="native")] + (
+# The kernels as this CPU builds them, and where that is the 512-bit code (the packed GEMM's
+# tiles, the prefill attention's lanes), the 256-bit code too.
+BUILDS = [pytest.param((), id="native")] + (
     [pytest.param(("-mno-avx512f",), id="avx2")] if kernels is not None and has_avx512() else [])
 
 
+def built(flags: tuple[str, ...]) -> cpu_kernels.CpuKernels:
+    return cpu_kernels.built_with(flags) if flags else kernels
+
+
 @needs_kernel
-@pytest.mark.parametrize("build", GEMM_BUILDS)
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 # tiles of 6 (AVX2) or 12 (AVX-512) vectors and what is left, blocks of 96 and what is left
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 11, 16, 97])
@@ -50,7 +55,7 @@ def test_packed_gemm_matches_float64(build, dtype, m, n, k):
     w = torch.randn(n, k, generator=gen).to(dtype)
     packed = cpu_kernels.pack_weight(w)
     assert packed.panels.shape == (-(-n // 16), k, 16) and packed.out_features == n
-    y = (cpu_kernels.built_with(build) if build else kernels).gemm[dtype](x, packed)
+    y = built(build).gemm[dtype](x, packed)
     ref = x.double() @ w.double().t()
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
@@ -243,8 +248,9 @@ def test_decode_attention_refuses_what_it_cannot_read():
                                     [(2000, 4), (700, 2)],
                                     [(0, 80)]],  # where the first rows see none of the later chunks
                          ids=["mixed", "few-rows-long-context", "rows-across-key-chunks"])
+@pytest.mark.parametrize("build", BUILDS)
 def test_prefill_attention_matches_the_torch_path(num_heads, num_kv_heads, head_dim, block_size, cache_dtype,
-                                                  chunks):
+                                                  chunks, build):
     """Prefill chunks (context before, rows) of many sizes, with and without earlier context, in
     one call, against the torch path's SDPA per chunk on the same cache; the slots no sequence
     wrote hold NaN, so a key read past a query's own position shows."""
@@ -263,7 +269,7 @@ def test_prefill_attention_matches_the_torch_path(num_heads, num_kv_heads, head_
     # q as the fused QKV output's first columns: strided rows
     qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
     q = qkv[:, :num_heads * head_dim].view(rows, num_heads, head_dim)
-    out = kernels.paged_prefill_attention(q, cache, starts, tables, torch.tensor(lens), head_dim ** -0.5)
+    out = built(build).paged_prefill_attention(q, cache, starts, tables, torch.tensor(lens), head_dim ** -0.5)
 
     prefills = [PrefillChunk(a, b, ctx, tables[i, :-(-(ctx + b - a) // block_size)])
                 for i, ((ctx, _), a, b) in enumerate(zip(chunks, starts[:-1].tolist(), starts[1:].tolist()))]
@@ -280,15 +286,16 @@ def test_prefill_attention_matches_the_torch_path(num_heads, num_kv_heads, head_
 
 @needs_kernel
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
-def test_prefill_attention_masks_the_keys_past_each_row(cache_dtype):
+@pytest.mark.parametrize("build", BUILDS)
+def test_prefill_attention_masks_the_keys_past_each_row(cache_dtype, build):
     """A NaN key turns the rows at and after its position NaN (as torch's softmax does) and no
     row before it: the keys a row must not see are masked, not merely weighted down."""
     hq, d, bs, n, key = 3, 16, 16, 40, 21
     cache = torch.randn(2, 3, bs, 1, d, generator=torch.Generator().manual_seed(0)).to(cache_dtype)
     cache[0, 1, key - bs, 0, 3] = float("nan")  # block 1 holds keys 16-31 (the table lists 2, 1, 0)
     table = torch.tensor([[2, 1, 0]])
-    out = kernels.paged_prefill_attention(torch.randn(n, hq, d), cache, torch.tensor([0, n]), table,
-                                          torch.tensor([n]), d ** -0.5)
+    out = built(build).paged_prefill_attention(torch.randn(n, hq, d), cache, torch.tensor([0, n]), table,
+                                               torch.tensor([n]), d ** -0.5)
     assert out[:key].isfinite().all() and out[key:].isnan().all()
 
 

@@ -525,27 +525,36 @@ void rms_norm_f32(const float *x, float *residual, const float *w, float *out, l
     }
 }
 
-/* e^x for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor polynomial to r^7
- * (relative error about 1e-7), 2^n through the exponent bits. Inputs below -87 give 0. */
-static inline __m256 exp_ps(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
-    const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));  /* max and min return their second operand for NaN */
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(scale)));
-}
+/* e^x for the floats of a vector: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor polynomial to
+ * r^7 (relative error about 1e-7), 2^n through the exponent bits. Inputs below -87 give 0.
+ * exp_ps for 256-bit vectors, exp512_ps for 512-bit ones (P: the intrinsics' prefix, W: the width). */
+#define DEFINE_EXP(NAME, T, TI, P, W, ROUND, ZERO_BELOW)                                          \
+    static inline T NAME(T x) {                                                                   \
+        const T lo = P##set1_ps(-87.0f), hi = P##set1_ps(88.0f);                                  \
+        /* max and min return their second operand for NaN */                                     \
+        const T c = P##min_ps(hi, P##max_ps(lo, x));                                              \
+        const T n = ROUND(P##mul_ps(c, P##set1_ps(1.44269504088896341f)));                        \
+        T r = P##fnmadd_ps(n, P##set1_ps(0.693359375f), c);                                       \
+        r = P##fnmadd_ps(n, P##set1_ps(-2.12194440e-4f), r);                                      \
+        T p = P##set1_ps(1.0f / 5040.0f);                                                         \
+        p = P##fmadd_ps(p, r, P##set1_ps(1.0f / 720.0f));                                         \
+        p = P##fmadd_ps(p, r, P##set1_ps(1.0f / 120.0f));                                         \
+        p = P##fmadd_ps(p, r, P##set1_ps(1.0f / 24.0f));                                          \
+        p = P##fmadd_ps(p, r, P##set1_ps(1.0f / 6.0f));                                           \
+        p = P##fmadd_ps(p, r, P##set1_ps(0.5f));                                                  \
+        p = P##fmadd_ps(p, r, P##set1_ps(1.0f));                                                  \
+        p = P##fmadd_ps(p, r, P##set1_ps(1.0f));                                                  \
+        const TI scale = P##slli_epi32(P##add_epi32(P##cvtps_epi32(n), P##set1_epi32(127)), 23);  \
+        return ZERO_BELOW(x, lo, P##mul_ps(p, P##castsi##W##_ps(scale)));                         \
+    }
+#define ROUND256(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define ZERO_BELOW256(x, lo, v) _mm256_andnot_ps(_mm256_cmp_ps(x, lo, _CMP_LT_OQ), v)
+DEFINE_EXP(exp_ps, __m256, __m256i, _mm256_, 256, ROUND256, ZERO_BELOW256)
+#ifdef __AVX512F__
+#define ROUND512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define ZERO_BELOW512(x, lo, v) _mm512_maskz_mov_ps((__mmask16)~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), v)
+DEFINE_EXP(exp512_ps, __m512, __m512i, _mm512_, 512, ROUND512, ZERO_BELOW512)
+#endif
 
 /* The sums of a, b, c and d's lanes, in that order. */
 static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -888,16 +897,66 @@ void paged_decode_attention(const float *q, long q_row_stride, const void *k_cac
  * rescaling of the outputs) runs down the lanes, masking the keys past each lane's position
  * only in the tiles that reach past the task's first position. */
 
+/* The lanes' vectors: VL floats, 512-bit where the CPU has AVX-512 (a task then takes 96 lanes
+ * in its six vectors, twice the queries each K and V tile is widened for), else 256-bit. */
+#ifdef __AVX512F__
+#define VL 16
+typedef __m512 lanes_t;
+#define L_LOAD _mm512_load_ps
+#define L_STORE _mm512_store_ps
+#define L_BCAST(p) _mm512_set1_ps(*(p))
+#define L_SET1 _mm512_set1_ps
+#define L_ZERO _mm512_setzero_ps
+#define L_FMA _mm512_fmadd_ps
+#define L_MUL _mm512_mul_ps
+#define L_ADD _mm512_add_ps
+#define L_SUB _mm512_sub_ps
+#define L_MAX _mm512_max_ps
+#define L_EXP exp512_ps
+#define L_PIN(r) __asm__("" : "+v"(r))
+/* x, with -inf in the lanes whose position pos[] is before key t */
+static inline lanes_t lanes_mask_past(lanes_t x, long t, const int32_t *pos) {
+    const __mmask16 past = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32((int)t), _mm512_load_si512(pos));
+    return _mm512_mask_blend_ps(past, x, _mm512_set1_ps(-INFINITY));
+}
+/* x, with 0 in the lanes where ref is -inf */
+static inline lanes_t lanes_zero_where_ninf(lanes_t x, lanes_t ref) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ref, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ), x, _mm512_setzero_ps());
+}
+#else
+#define VL 8
+typedef __m256 lanes_t;
+#define L_LOAD _mm256_load_ps
+#define L_STORE _mm256_store_ps
+#define L_BCAST _mm256_broadcast_ss
+#define L_SET1 _mm256_set1_ps
+#define L_ZERO _mm256_setzero_ps
+#define L_FMA _mm256_fmadd_ps
+#define L_MUL _mm256_mul_ps
+#define L_ADD _mm256_add_ps
+#define L_SUB _mm256_sub_ps
+#define L_MAX _mm256_max_ps
+#define L_EXP exp_ps
+#define L_PIN(r) __asm__("" : "+x"(r))
+static inline lanes_t lanes_mask_past(lanes_t x, long t, const int32_t *pos) {
+    const __m256i past = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)t), _mm256_load_si256((const __m256i *)pos));
+    return _mm256_blendv_ps(x, _mm256_set1_ps(-INFINITY), _mm256_castsi256_ps(past));
+}
+static inline lanes_t lanes_zero_where_ninf(lanes_t x, lanes_t ref) {
+    return _mm256_andnot_ps(_mm256_cmp_ps(ref, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ), x);
+}
+#endif
+
 #define PF_VECS 6                 /* vectors of query lanes a task takes */
-#define PF_LANES (8 * PF_VECS)
+#define PF_LANES (VL * PF_VECS)
 #define PF_KEYS 32                /* keys a tile (even: the scores take two at a time) */
 
-/* a##i += x * r[8i..], b##i += y * r[8i..] for the first NV vectors of lanes at r */
+/* a##i += x * r[VL i..], b##i += y * r[VL i..] for the first NV vectors of lanes at r */
 #define LANE_FMA(i)                                                                               \
     if (NV > i) {                                                                                 \
-        __m256 r_ = _mm256_load_ps(r + 8 * i);                                                    \
-        __asm__("" : "+x"(r_)); /* one load for both FMAs: the compiler would fold it into each */ \
-        a##i = _mm256_fmadd_ps(x, r_, a##i), b##i = _mm256_fmadd_ps(y, r_, b##i);                 \
+        lanes_t r_ = L_LOAD(r + VL * i);                                                          \
+        L_PIN(r_); /* one load for both FMAs: the compiler would fold it into each */             \
+        a##i = L_FMA(x, r_, a##i), b##i = L_FMA(y, r_, b##i);                                     \
     }
 #define LANE_FMAS LANE_FMA(0) LANE_FMA(1) LANE_FMA(2) LANE_FMA(3) LANE_FMA(4) LANE_FMA(5)
 
@@ -907,15 +966,15 @@ static inline __attribute__((always_inline)) void lane_scores(const float *qt, c
                                                               long Dp, float *s, const int NV) {
     for (long j = 0; j < n; j += 2) {
         const float *k0 = kt + j * Dp, *k1 = k0 + Dp;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
-        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+        lanes_t a0 = L_ZERO(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        lanes_t b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
         for (long d = 0; d < D; d++) {
             const float *r = qt + d * PF_LANES;
-            const __m256 x = _mm256_broadcast_ss(k0 + d), y = _mm256_broadcast_ss(k1 + d);
+            const lanes_t x = L_BCAST(k0 + d), y = L_BCAST(k1 + d);
             LANE_FMAS
         }
         float *s0 = s + j * PF_LANES, *s1 = s0 + PF_LANES;
-#define STORE(i) if (NV > i) _mm256_store_ps(s0 + 8 * i, a##i), _mm256_store_ps(s1 + 8 * i, b##i);
+#define STORE(i) if (NV > i) L_STORE(s0 + VL * i, a##i), L_STORE(s1 + VL * i, b##i);
         STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
 #undef STORE
     }
@@ -930,20 +989,20 @@ static inline __attribute__((always_inline)) void lane_values(float *acc, const 
         float *c0 = acc + d * PF_LANES, *c1 = c0 + PF_LANES;
 #define LOAD(i)                                                                                   \
         if (NV > i) {                                                                             \
-            const __m256 f_ = _mm256_load_ps(alpha + 8 * i);                                      \
-            a##i = _mm256_mul_ps(_mm256_load_ps(c0 + 8 * i), f_);                                 \
-            b##i = _mm256_mul_ps(_mm256_load_ps(c1 + 8 * i), f_);                                 \
+            const lanes_t f_ = L_LOAD(alpha + VL * i);                                            \
+            a##i = L_MUL(L_LOAD(c0 + VL * i), f_);                                                \
+            b##i = L_MUL(L_LOAD(c1 + VL * i), f_);                                                \
         }
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
-        __m256 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
+        lanes_t a0 = L_ZERO(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        lanes_t b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
         LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5)
 #undef LOAD
         for (long j = 0; j < n; j++) {
             const float *r = s + j * PF_LANES;
-            const __m256 x = _mm256_broadcast_ss(vt + j * Dp + d), y = _mm256_broadcast_ss(vt + j * Dp + d + 1);
+            const lanes_t x = L_BCAST(vt + j * Dp + d), y = L_BCAST(vt + j * Dp + d + 1);
             LANE_FMAS
         }
-#define STORE(i) if (NV > i) _mm256_store_ps(c0 + 8 * i, a##i), _mm256_store_ps(c1 + 8 * i, b##i);
+#define STORE(i) if (NV > i) L_STORE(c0 + VL * i, a##i), L_STORE(c1 + VL * i, b##i);
         STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
 #undef STORE
     }
@@ -958,38 +1017,35 @@ static inline __attribute__((always_inline)) void lane_values(float *acc, const 
 static inline __attribute__((always_inline)) void lane_softmax(float *s, long n, long t0, const int32_t *pos,
                                                                int masked, float *m, float *l, float *alpha,
                                                                const int NV) {
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
     for (int v = 0; v < NV; v++) {
-        const __m256i p = _mm256_load_si256((const __m256i *)(pos + 8 * v));
-        const __m256 old = _mm256_load_ps(m + 8 * v);
-        __m256 top = old;
+        const lanes_t old = L_LOAD(m + VL * v);
+        lanes_t top = old;
         for (long j = 0; j < n; j++) {
-            float *sj = s + j * PF_LANES + 8 * v;
-            __m256 x = _mm256_load_ps(sj);
+            float *sj = s + j * PF_LANES + VL * v;
+            lanes_t x = L_LOAD(sj);
             if (masked) {
-                const __m256i past = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(t0 + j)), p);
-                x = _mm256_blendv_ps(x, ninf, _mm256_castsi256_ps(past));
-                _mm256_store_ps(sj, x);
+                x = lanes_mask_past(x, t0 + j, pos + VL * v);
+                L_STORE(sj, x);
             }
-            top = _mm256_max_ps(top, x);  /* a NaN score may be skipped here: exp_ps keeps it NaN */
+            top = L_MAX(top, x);  /* a NaN score may be skipped here: the exp keeps it NaN */
         }
-        const __m256 a = _mm256_andnot_ps(_mm256_cmp_ps(old, ninf, _CMP_EQ_OQ), exp_ps(_mm256_sub_ps(old, top)));
+        const lanes_t a = lanes_zero_where_ninf(L_EXP(L_SUB(old, top)), old);
         /* a lane that has seen no key yet (a chunk of keys past its position) weighs them 0 */
-        const __m256 base = _mm256_andnot_ps(_mm256_cmp_ps(top, ninf, _CMP_EQ_OQ), top);
-        __m256 sum = _mm256_setzero_ps();
+        const lanes_t base = lanes_zero_where_ninf(top, top);
+        lanes_t sum = L_ZERO();
         for (long j = 0; j < n; j++) {
-            float *sj = s + j * PF_LANES + 8 * v;
-            const __m256 w = exp_ps(_mm256_sub_ps(_mm256_load_ps(sj), base));
-            _mm256_store_ps(sj, w);
-            sum = _mm256_add_ps(sum, w);
+            float *sj = s + j * PF_LANES + VL * v;
+            const lanes_t w = L_EXP(L_SUB(L_LOAD(sj), base));
+            L_STORE(sj, w);
+            sum = L_ADD(sum, w);
         }
-        _mm256_store_ps(l + 8 * v, _mm256_add_ps(_mm256_mul_ps(_mm256_load_ps(l + 8 * v), a), sum));
-        _mm256_store_ps(m + 8 * v, top);
-        _mm256_store_ps(alpha + 8 * v, a);
+        L_STORE(l + VL * v, L_ADD(L_MUL(L_LOAD(l + VL * v), a), sum));
+        L_STORE(m + VL * v, top);
+        L_STORE(alpha + VL * v, a);
     }
 }
 
-/* A task's scratch, 32-byte aligned arrays of floats: qt [D][PF_LANES], kt and vt [PF_KEYS][Dp],
+/* A task's scratch, 64-byte aligned arrays of floats: qt [D][PF_LANES], kt and vt [PF_KEYS][Dp],
  * s [PF_KEYS][PF_LANES], acc [Dp][PF_LANES], m, l, alpha [PF_LANES]; then pos [PF_LANES] int32. */
 static long prefill_scratch_bytes(long D) {
     const long Dp = (D + 7) / 8 * 8;
@@ -1070,7 +1126,7 @@ static inline __attribute__((always_inline)) void prefill_task(
                      const int64_t *table, long Hq, long Hkv, long D, long bs, long h, long row0,  \
                      long pos0, long first, long count, long k0, long k1, float scale, float *out, \
                      float *part, long part_row0, long c, long chunks, float *scratch) {           \
-        switch ((count + 7) / 8) {                                                                \
+        switch ((count + VL - 1) / VL) {                                                          \
         TASK_CASE(1, HALF) TASK_CASE(2, HALF) TASK_CASE(3, HALF)                                  \
         TASK_CASE(4, HALF) TASK_CASE(5, HALF) default: TASK_CASE(6, HALF)                         \
         }                                                                                         \
