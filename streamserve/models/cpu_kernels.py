@@ -125,10 +125,12 @@ class CpuKernels:
     streamserve_kernels.norm's interface (float32, [T, H] contiguous), so RMSNorm takes either
     as its `kernels`;
     paged_decode_attention and paged_prefill_attention for TorchPagedAttention's decode rows
-    and prefill chunks (float32)."""
+    and prefill chunks (float32). vector_bits: 512 where the build has the AVX-512 code (the
+    GEMM's tiles, the prefill attention's lanes), else 256."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
+        self.vector_bits: int = lib.cpu_kernels_vector_bits()
         self.gemm: dict[torch.dtype, Callable[[torch.Tensor, PackedWeight], torch.Tensor]] = {}
         for dtype, name in ((torch.bfloat16, "gemm_packed_bf16"), (torch.float16, "gemm_packed_f16"),
                             (torch.float32, "gemm_packed_f32")):

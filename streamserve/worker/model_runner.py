@@ -55,9 +55,16 @@ PROMPT_LOGPROBS_ROWS = 256
 
 def native_half_gemms(dtype: torch.dtype) -> bool:
     """Whether this CPU runs bfloat16 / float16 GEMMs natively (AVX512-BF16 or AMX,
-    AVX512-FP16: oneDNN says so), rather than emulating them."""
-    return (torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16
-            else torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    AVX512-FP16), rather than emulating them. oneDNN's float16 check asks for the hardware;
+    its bfloat16 one says yes for any AVX-512 CPU, where it converts to float32 and back: on
+    a 2-core AVX-512 Xeon without AVX512-BF16 (2026-12-01) torch's bfloat16 GEMMs ran at a
+    third of the C GEMM's speed, so the CPU's own flags decide."""
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    cpu = torch.cpu
+    hardware = (getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+                or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+    return hardware and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def choose_dtypes(dtype: torch.dtype, device: torch.device,
@@ -124,7 +131,8 @@ class ModelRunner:
                                    row_major=native, drop_full=True)
             self.low_precision_max_tokens = sys.maxsize
             name = str(copy).removeprefix("torch.")
-            logger.info("computing in float32 from packed %s weights, read by the C GEMM for %s", name,
+            logger.info("computing in float32 from packed %s weights, read by the C GEMM (%d-bit vectors) for %s",
+                        name, self.c_kernels.vector_bits,
                         f"steps of at most {C_STEP_MAX_TOKENS} tokens and by torch's native {name} GEMMs above"
                         if native else "every step")
         elif low_precision is not None:  # (choose_dtypes: a CPU with native half GEMMs computes in them)

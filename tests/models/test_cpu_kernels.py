@@ -23,12 +23,16 @@ needs_kernel = pytest.mark.skipif(kernels is None, reason="the CPU kernels do no
                                   "(needs x86-64 with AVX2 and a C compiler)")
 
 
-def has_avx512() -> bool:
+def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return " avx512f" in f.read()
+            return {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
     except OSError:
-        return False
+        return set()
+
+
+def has_avx512() -> bool:
+    return "avx512f" in cpu_flags()
 
 
 # The kernels as this CPU builds them, and where that is the 512-bit code (the packed GEMM's
@@ -43,12 +47,22 @@ def built(flags: tuple[str, ...]) -> cpu_kernels.CpuKernels:
 
 @needs_kernel
 @pytest.mark.parametrize("build", BUILDS)
+def test_each_build_runs_the_code_it_is_tested_for(build):
+    """The native build of an AVX-512 CPU has the 512-bit code and the -mno-avx512f one the 256-bit
+    code, so the tests of both builds test both."""
+    want = 512 if has_avx512() and not build else 256
+    assert built(build).vector_bits == want
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", BUILDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-# tiles of 6 (AVX2) or 12 (AVX-512) vectors and what is left, blocks of 96 and what is left
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 11, 16, 97])
-# whole panels of 16 rows, a part-filled last one, a lone part-filled one; (AVX-512, panels in
-# pairs) a whole pair and a lone part-filled panel, a pair whose second panel is part-filled
-@pytest.mark.parametrize("n,k", [(37, 577), (64, 64), (5, 7), (16, 1), (40, 33)])
+# tiles of 6 (AVX2) or 12 (AVX-512) vectors and what is left; (AVX2) blocks of 96 and what is left
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 11, 12, 16, 25, 97])
+# whole panels of 16 rows, a part-filled last one, a lone part-filled one; (AVX-512: single panels
+# while there are fewer than two pairs a thread, else pairs) a pair whose second panel is part-filled
+# (40, 33), a whole lone panel after pairs (48), and pairs then a lone one-column panel (129)
+@pytest.mark.parametrize("n,k", [(37, 577), (64, 64), (5, 7), (16, 1), (40, 33), (48, 64), (33, 9), (129, 33)])
 def test_packed_gemm_matches_float64(build, dtype, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen)
@@ -468,6 +482,13 @@ def test_float16_kv_cache_is_the_default_for_a_half_checkpoint(half_llama_dir, e
     full = LLM(path, dtype=name, kv_cache_memory="32MiB", kv_cache_dtype="float32").engine_core.model_runner
     assert runner.num_blocks == 2 * full.num_blocks
     check_prompt_logprobs(llm, path, tol=1e-2)
+
+
+@pytest.mark.skipif(not cpu_flags(), reason="no /proc/cpuinfo to read the CPU's flags from")
+def test_native_bfloat16_gemms_need_the_hardware():
+    """oneDNN calls bfloat16 supported on any AVX-512 CPU (emulated there, 3x slower than the C
+    GEMM): only AVX512-BF16 or AMX counts as native."""
+    assert model_runner.native_half_gemms(torch.bfloat16) == bool({"avx512_bf16", "amx_tile"} & cpu_flags())
 
 
 @needs_kernel

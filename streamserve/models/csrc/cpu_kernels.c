@@ -219,17 +219,19 @@ static inline __m512 panel512_f32(const float *p) { return _mm512_loadu_ps(p); }
     case 1: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 1, NP); break;                  \
     }
 
-/* Pairs of panels across the OpenMP threads, the last one alone where their number is odd,
- * each against every row of x (on the CPUs that have AVX-512, x's rows fit the L2 cache, and
- * blocks of 96 rows measured the same). */
+/* Pairs of panels across the OpenMP threads, the last one alone where their number is odd, or
+ * single panels where there are fewer than two pairs a thread (many cores, few rows of w: the
+ * threads then share the work more evenly), each against every row of x (on the CPUs that have
+ * AVX-512, x's rows fit the L2 cache, and blocks of 96 rows measured the same). */
 #define DEFINE_PACKED_GEMM512(NAME, T, LOAD, ORDER)                                               \
     DEFINE_PANEL512_TILE(NAME##_tile, T, LOAD, ORDER)                                             \
     void NAME(const float *x, const T *w, float *y, long M, long N, long K) {                     \
         const long panels = (N + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;                    \
+        const long per = pairs >= 2 * omp_get_max_threads() ? 2 : 1, units = per == 2 ? pairs : panels; \
         const long m1 = M;  /* PANEL512_ROWS's end */                                             \
-        _Pragma("omp parallel for schedule(static) if (pairs > 1)")                               \
-        for (long p = 0; p < pairs; p++) {                                                        \
-            const long n = 2 * p * PANEL, cols = N - n < 2 * PANEL ? N - n : 2 * PANEL;           \
+        _Pragma("omp parallel for schedule(static) if (units > 1)")                               \
+        for (long u = 0; u < units; u++) {                                                        \
+            const long n = u * per * PANEL, cols = N - n < per * PANEL ? N - n : per * PANEL;     \
             const T *wp = w + n * K;                                                              \
             long m = 0;                                                                           \
             if (cols > PANEL) { PANEL512_ROWS(NAME, 2) } else { PANEL512_ROWS(NAME, 1) }          \
@@ -246,6 +248,15 @@ DEFINE_PACKED_GEMM512(gemm_packed_bf16, uint16_t, panel512_bf16, bf16_rows_in_or
 DEFINE_PACKED_GEMM512(gemm_packed_f16, uint16_t, panel512_f16, IN_ORDER)
 DEFINE_PACKED_GEMM512(gemm_packed_f32, float, panel512_f32, IN_ORDER)
 #endif
+
+/* The widest vectors this build's kernels use, in bits: 512 where it was built for AVX-512. */
+int cpu_kernels_vector_bits(void) {
+#ifdef __AVX512F__
+    return 512;
+#else
+    return 256;
+#endif
+}
 
 /* ---- The dot-product tiles the quantized GEMVs share ---------------------------------------- */
 
