@@ -916,7 +916,6 @@ typedef __m512 lanes_t;
 #define L_LOAD _mm512_load_ps
 #define L_STORE _mm512_store_ps
 #define L_BCAST(p) _mm512_set1_ps(*(p))
-#define L_SET1 _mm512_set1_ps
 #define L_ZERO _mm512_setzero_ps
 #define L_FMA _mm512_fmadd_ps
 #define L_MUL _mm512_mul_ps
@@ -940,7 +939,6 @@ typedef __m256 lanes_t;
 #define L_LOAD _mm256_load_ps
 #define L_STORE _mm256_store_ps
 #define L_BCAST _mm256_broadcast_ss
-#define L_SET1 _mm256_set1_ps
 #define L_ZERO _mm256_setzero_ps
 #define L_FMA _mm256_fmadd_ps
 #define L_MUL _mm256_mul_ps
