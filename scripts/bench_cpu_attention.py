@@ -74,6 +74,7 @@ def quartile(fn, n: int) -> float:
 def main() -> None:
     if cpu_kernels.load() is None:
         raise SystemExit("the CPU kernels do not load here (the log says why)")
+    print(f"{cpu_kernels.load().vector_bits}-bit kernel vectors (the prefill lanes; the decode kernel's are 256-bit)\n")
     print("batch context  C, float32 KV  C, float16 KV    torch path  torch / C float32 / float16")
     for batch, ctx in [(1, 32), (1, 512), (1, 1500), (1, 4000), (8, 1500), (64, 512)]:
         c_kernel, c_half, torch_path = setup(batch, ctx)

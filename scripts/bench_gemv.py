@@ -74,7 +74,8 @@ def main() -> None:
         quant = [(kernels.quant_gemv[kind], QuantizedWeight.random(kind, *w.shape, gen).blocks)
                  for kind, w in zip(kinds, full)]
         print(f"GGUF blocks: {sum(b.numel() for _, b in quant) / 1e6:.0f} MB")
-    print(f"{len(half)} weights, {weight_bytes / 1e6:.0f} MB in {args.dtype}, {torch.get_num_threads()} threads")
+    print(f"{len(half)} weights, {weight_bytes / 1e6:.0f} MB in {args.dtype}, {torch.get_num_threads()} threads, "
+          f"{kernels.vector_bits}-bit kernel vectors")
     print(f"{'rows':>5} {'kernel':>10} {'GB/s':>6} {'GFLOP/s':>8} {'F.linear fp32':>14} {'ratio':>6}"
           + (f" {args.quant:>10} {'vs kernel':>9}" if quant else ""))
     for m in (int(r) for r in args.rows.split(",")):
