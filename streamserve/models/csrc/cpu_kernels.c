@@ -18,12 +18,12 @@
  * or float16), where torch first gathers every sequence's blocks into a padded copy and masks it.
  *
  * paged_prefill_attention: the prefill chunks' causal attention, likewise in place, in tiles
- * of keys shared by 48 query vectors at a time.
+ * of keys shared by 48 query vectors at a time (96 with AVX-512).
  *
  * step_forward_f32: a whole step (up to a few hundred tokens) through every layer of a Llama-family model.
  *
- * Built with -march=native: where the CPU has AVX-512, the packed GEMM takes 512-bit tiles
- * (twice the FMA width; the rest stays on 256-bit vectors).
+ * Built with -march=native: where the CPU has AVX-512, the packed GEMM takes 512-bit tiles and
+ * the prefill attention 512-bit lanes (twice the FMA width; the rest stays on 256-bit vectors).
  */
 #include <immintrin.h>
 #include <float.h>
