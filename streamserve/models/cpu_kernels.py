@@ -126,11 +126,14 @@ class CpuKernels:
     as its `kernels`;
     paged_decode_attention and paged_prefill_attention for TorchPagedAttention's decode rows
     and prefill chunks (float32). vector_bits: 512 where the build has the AVX-512 code (the
-    GEMM's tiles, the prefill attention's lanes), else 256."""
+    GEMM's tiles, the prefill attention's lanes), else 256. bf16_dot_min_rows: where the build
+    has AVX512-BF16, from how many rows of x the bfloat16 GEMM rounds them to bfloat16 and
+    takes bfloat16 dot products (twice the FMAs' arithmetic: csrc, gemm_packed_bf16), else 0."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         self.vector_bits: int = lib.cpu_kernels_vector_bits()
+        self.bf16_dot_min_rows: int = lib.cpu_kernels_bf16_dot_min_rows()
         self.gemm: dict[torch.dtype, Callable[[torch.Tensor, PackedWeight], torch.Tensor]] = {}
         for dtype, name in ((torch.bfloat16, "gemm_packed_bf16"), (torch.float16, "gemm_packed_f16"),
                             (torch.float32, "gemm_packed_f32")):

@@ -125,14 +125,19 @@ class ModelRunner:
             # Every step reads packed copies (in the checkpoint's dtype) through the C GEMM, but
             # where torch's native half-precision GEMMs (AMX) take the GEMMs of more than
             # C_STEP_MAX_TOKENS rows from row-major copies; either way the float32 weights go
-            # (a tied embedding's lookups then read the head's packed copy).
-            copy, native = low_precision or torch.float32, low_precision is not None and native_half
+            # (a tied embedding's lookups then read the head's packed copy). Where the C GEMM
+            # takes bfloat16 dot products itself (AVX512-BF16), it matched oneDNN's on 2000-token
+            # steps, so a bfloat16 checkpoint keeps no row-major copies.
+            copy = low_precision or torch.float32
+            native = native_half and not (copy == torch.bfloat16 and self.c_kernels.bf16_dot_min_rows)
             self.model.keep_copies(copy, self.c_kernels.gemm[copy], C_STEP_MAX_TOKENS if native else sys.maxsize,
                                    row_major=native, drop_full=True)
             self.low_precision_max_tokens = sys.maxsize
             name = str(copy).removeprefix("torch.")
-            logger.info("computing in float32 from packed %s weights, read by the C GEMM (%d-bit vectors) for %s",
+            dot = self.c_kernels.bf16_dot_min_rows if copy == torch.bfloat16 else 0
+            logger.info("computing in float32 from packed %s weights, read by the C GEMM (%d-bit vectors%s) for %s",
                         name, self.c_kernels.vector_bits,
+                        f"; bfloat16 dot products from {dot} rows" if dot else "",
                         f"steps of at most {C_STEP_MAX_TOKENS} tokens and by torch's native {name} GEMMs above"
                         if native else "every step")
         elif low_precision is not None:  # (choose_dtypes: a CPU with native half GEMMs computes in them)

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from parity import (assert_same_greedy, check_parity, check_prompt_logprobs, prompt_token_logprobs,
-                    tokens_and_logprobs)
+from parity import (assert_same_greedy, check_parity, check_prompt_logprobs, hf_prompt_logprobs, parity_prompts,
+                    prompt_token_logprobs, tokens_and_logprobs)
 from streamserve import LLM, SamplingParams
 from streamserve.models import cpu_kernels
 from streamserve.models.layers import PackedEmbedding, RMSNorm
@@ -35,10 +35,20 @@ def has_avx512() -> bool:
     return "avx512f" in cpu_flags()
 
 
+def has_bf16_dot() -> bool:
+    return "avx512_bf16" in cpu_flags()
+
+
+# The build without the bfloat16 dot products where this CPU has them: its GEMM keeps x in
+# float32 at every size, so a model's outputs match transformers' float32 ones to 1e-4.
+FLOAT32_X = ("-mno-avx512bf16",) if kernels is not None and has_bf16_dot() else ()
+
 # The kernels as this CPU builds them, and where that is the 512-bit code (the packed GEMM's
-# tiles, the prefill attention's lanes), the 256-bit code too.
+# tiles, the prefill attention's lanes), the 256-bit code too, and where that takes bfloat16
+# dot products, the 512-bit code without them.
 BUILDS = [pytest.param((), id="native")] + (
-    [pytest.param(("-mno-avx512f",), id="avx2")] if kernels is not None and has_avx512() else [])
+    [pytest.param(("-mno-avx512f",), id="avx2")] if kernels is not None and has_avx512() else []) + (
+    [pytest.param(FLOAT32_X, id="avx512")] if FLOAT32_X else [])
 
 
 def built(flags: tuple[str, ...]) -> cpu_kernels.CpuKernels:
@@ -49,9 +59,10 @@ def built(flags: tuple[str, ...]) -> cpu_kernels.CpuKernels:
 @pytest.mark.parametrize("build", BUILDS)
 def test_each_build_runs_the_code_it_is_tested_for(build):
     """The native build of an AVX-512 CPU has the 512-bit code and the -mno-avx512f one the 256-bit
-    code, so the tests of both builds test both."""
-    want = 512 if has_avx512() and not build else 256
-    assert built(build).vector_bits == want
+    code, and only the native build of an AVX512-BF16 CPU takes bfloat16 dot products, so the
+    tests of every build test each."""
+    assert built(build).vector_bits == (256 if not has_avx512() or "-mno-avx512f" in build else 512)
+    assert built(build).bf16_dot_min_rows == (6 if has_bf16_dot() and not build else 0)
 
 
 @needs_kernel
@@ -69,8 +80,11 @@ def test_packed_gemm_matches_float64(build, dtype, m, n, k):
     w = torch.randn(n, k, generator=gen).to(dtype)
     packed = cpu_kernels.pack_weight(w)
     assert packed.panels.shape == (-(-n // 16), k, 16) and packed.out_features == n
-    y = built(build).gemm[dtype](x, packed)
-    ref = x.double() @ w.double().t()
+    lib = built(build)
+    y = lib.gemm[dtype](x, packed)
+    # the bfloat16 dot products take x rounded to bfloat16, and nothing else rounded
+    dot = dtype == torch.bfloat16 and lib.bf16_dot_min_rows and m >= lib.bf16_dot_min_rows and k % 2 == 0
+    ref = (x.bfloat16() if dot else x).double() @ w.double().t()
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
@@ -431,17 +445,21 @@ def test_c_step_refuses_what_would_reach_outside_its_tables(llama_dir):
     assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_caches))  # nothing written
 
 
-@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def half_llama_dir(request, llama_dir, tmp_path_factory):
-    """The tiny Llama with its weights rounded to bfloat16 or float16 and saved so: (dir, dtype)."""
+def rounded_copy(model_dir: str, path, dtype: torch.dtype) -> str:
+    """A copy of the model at `path` with its weights rounded to `dtype` and saved so."""
     import shutil
-    dtype = request.param
-    path = tmp_path_factory.mktemp(str(dtype).split(".")[-1]) / "llama"
-    shutil.copytree(llama_dir, path)
+    shutil.copytree(model_dir, path)
     weights = load_file(str(path / "model.safetensors"))
     save_file({k: v.to(dtype) for k, v in weights.items()}, str(path / "model.safetensors"),
               metadata={"format": "pt"})
-    return str(path), dtype
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def half_llama_dir(request, llama_dir, tmp_path_factory):
+    """The tiny Llama with its weights rounded to bfloat16 or float16 and saved so: (dir, dtype)."""
+    dtype = request.param
+    return rounded_copy(llama_dir, tmp_path_factory.mktemp(str(dtype).split(".")[-1]) / "llama", dtype), dtype
 
 
 @needs_kernel
@@ -452,6 +470,8 @@ def test_half_precision_model_small_steps_match_transformers(half_llama_dir, mon
     float32 KV cache: the default float16 one is test_float16_kv_cache_...)."""
     path, dtype = half_llama_dir
     monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: False)
+    lib = built(FLOAT32_X)  # (float32 arithmetic throughout: the dot products are the next test's)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: lib)
     llm = LLM(path, dtype=str(dtype).split(".")[-1], kv_cache_memory="32MiB", kv_cache_dtype="float32")
     runner = llm.engine_core.model_runner
     assert runner.kv_dtype == torch.float32
@@ -459,11 +479,36 @@ def test_half_precision_model_small_steps_match_transformers(half_llama_dir, mon
     down = runner.model.layers[0].mlp.down_proj
     assert down.weight.numel() == 0 and down.low_precision_weight is None and down.packed.dtype == dtype
     head = runner.model.lm_head
-    assert head.gemm is kernels.gemm[dtype]
+    assert head.gemm is lib.gemm[dtype]
     # the tied embedding's lookups read the head's packed copy: no float32 weight is left
     assert isinstance(runner.model.embed_tokens, PackedEmbedding) and head.weight.numel() == 0
     assert not any(p.dtype == torch.float32 and p.dim() == 2 and p.numel() for p in runner.model.parameters())
     check_parity(llm, path)
+
+
+@needs_kernel
+@pytest.mark.skipif(not has_bf16_dot(), reason="the bfloat16 dot products need AVX512-BF16")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["c-step", "op-by-op"])
+def test_bfloat16_dot_products_cost_less_accuracy_than_computing_in_bfloat16(llama_dir, tmp_path, enforce_eager):
+    """Where the C GEMM takes bfloat16 dot products (the steps of bf16_dot_min_rows tokens and
+    up: every parity prompt's prefill but one), the prompt logprobs move from transformers'
+    float32 ones, but less than transformers' own bfloat16 run moves."""
+    from transformers import AutoModelForCausalLM
+
+    path = rounded_copy(llama_dir, tmp_path / "bf16", torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    reference = hf_prompt_logprobs(path)
+    prompts = parity_prompts()
+    with torch.no_grad():
+        bf16_rows = [torch.log_softmax(model(torch.tensor([p])).logits[0, :-1].float(), -1)
+                     .gather(1, torch.tensor(p[1:])[:, None])[:, 0].tolist() for p in prompts]
+    llm = LLM(path, dtype="bfloat16", kv_cache_memory="32MiB", kv_cache_dtype="float32", enforce_eager=enforce_eager)
+    assert llm.engine_core.model_runner.c_kernels.bf16_dot_min_rows == 6
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    ours = [prompt_token_logprobs(output, p) for output, p in zip(outputs, prompts)]
+    worst = lambda rows: max(abs(a - b) for row, ref in zip(rows, reference) for a, b in zip(row, ref))  # noqa: E731
+    assert 0 < worst(ours) < worst(bf16_rows) / 2
 
 
 @needs_kernel
@@ -474,6 +519,7 @@ def test_float16_kv_cache_is_the_default_for_a_half_checkpoint(half_llama_dir, e
     the prompt logprobs stay within 1e-2 of transformers' in float32."""
     path, dtype = half_llama_dir
     monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: False)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: built(FLOAT32_X))
     name = str(dtype).split(".")[-1]
     llm = LLM(path, dtype=name, kv_cache_memory="32MiB", enforce_eager=enforce_eager)
     runner = llm.engine_core.model_runner
@@ -492,14 +538,21 @@ def test_native_bfloat16_gemms_need_the_hardware():
 
 
 @needs_kernel
-def test_native_half_gemms_serve_the_large_steps(half_llama_dir, monkeypatch):
+@pytest.mark.parametrize("build", [pytest.param((), id="native")] + (
+    [pytest.param(FLOAT32_X, id="float32-x")] if FLOAT32_X else []))
+def test_native_half_gemms_serve_the_large_steps(half_llama_dir, build, monkeypatch):
     """Where the CPU has native half-precision GEMMs (AMX), steps too large for the C step
     read row-major half-size copies through torch (the float32 weights are freed), small
-    steps still run in one C call; the op-by-op run (enforce_eager) gives the same tokens."""
+    steps still run in one C call; the op-by-op run (enforce_eager) gives the same tokens.
+    Where the C GEMM takes bfloat16 dot products itself, it serves a bfloat16 checkpoint's
+    large steps too, and no row-major copies are kept."""
     import torch.nn.functional as F
 
     path, dtype = half_llama_dir
     name = str(dtype).split(".")[-1]
+    lib = built(build)
+    row_major = not (dtype == torch.bfloat16 and lib.bf16_dot_min_rows)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: lib)
     monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: True)
     monkeypatch.setattr(model_runner, "C_STEP_MAX_TOKENS", 64)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -510,11 +563,15 @@ def test_native_half_gemms_serve_the_large_steps(half_llama_dir, monkeypatch):
     runner = llm.engine_core.model_runner
     assert runner.dtype == torch.float32 and runner.low_precision_max_tokens == sys.maxsize and runner.c_step is not None
     down = runner.model.layers[0].mlp.down_proj
-    assert down.weight.numel() == 0 and down.low_precision_weight.dtype == dtype  # float32 copy freed
+    assert down.weight.numel() == 0  # float32 copy freed
     weights, real = [], F.linear
     monkeypatch.setattr(F, "linear", lambda x, w, *rest: weights.append((x.shape[0], w.dtype)) or real(x, w, *rest))
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert (103, dtype) in weights and all(w == dtype for _, w in weights)
+    if row_major:
+        assert down.low_precision_weight.dtype == dtype
+        assert (103, dtype) in weights and all(w == dtype for _, w in weights)
+    else:
+        assert down.low_precision_weight is None and not weights
     assert_same_greedy(outputs, [tokens_and_logprobs(want) for want in expected])
 
 

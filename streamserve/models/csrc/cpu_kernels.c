@@ -23,7 +23,9 @@
  * step_forward_f32: a whole step (up to a few hundred tokens) through every layer of a Llama-family model.
  *
  * Built with -march=native: where the CPU has AVX-512, the packed GEMM takes 512-bit tiles and
- * the prefill attention 512-bit lanes (twice the FMA width; the rest stays on 256-bit vectors).
+ * the prefill attention 512-bit lanes (twice the FMA width; the rest stays on 256-bit vectors);
+ * where it has AVX512-BF16 too, the bfloat16 GEMM of steps of a few rows and up takes bfloat16
+ * dot products (twice the arithmetic again; x rounded to bfloat16).
  */
 #include <immintrin.h>
 #include <float.h>
@@ -151,6 +153,9 @@ DEFINE_PACKED_GEMM(gemm_packed_f32, float, panel_f32)
  * two loads of weights. A bfloat16 panel widens with a zero-extension and a shift, which leaves
  * the rows in the packed order (0, 8, 1, 9, ... 7, 15); the store puts them back in order. */
 #define PANEL_MR512 12
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define BF16_DOT 1
+#endif
 
 static inline __m512 panel512_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -162,11 +167,11 @@ static inline __m512 panel512_f16(const uint16_t *p) {
 
 static inline __m512 panel512_f32(const float *p) { return _mm512_loadu_ps(p); }
 
-#define PANEL512_FMA(i)                                                                           \
+#define PANEL512_FMA(i, BCAST, MADD)                                                              \
     if (MR > i) {                                                                                 \
-        const __m512 b = _mm512_set1_ps(x[i * K + k]);                                            \
-        c##i##_0 = _mm512_fmadd_ps(b, w0, c##i##_0);                                              \
-        if (NP > 1) c##i##_1 = _mm512_fmadd_ps(b, w1, c##i##_1);                                  \
+        const __m512 b = BCAST(x + i * K + k);                                                    \
+        c##i##_0 = MADD(c##i##_0, b, w0);                                                         \
+        if (NP > 1) c##i##_1 = MADD(c##i##_1, b, w1);                                             \
     }
 #define PANEL512_STORE(i, ORDER)                                                                  \
     if (MR > i) {                                                                                 \
@@ -174,26 +179,29 @@ static inline __m512 panel512_f32(const float *p) { return _mm512_loadu_ps(p); }
         if (NP > 1) _mm512_mask_storeu_ps(y + i * N + PANEL, mask1, ORDER(c##i##_1));             \
     }
 
-/* MR (<= PANEL_MR512) rows of x (K apart) against NP (1 or 2) panels (K * PANEL apart), into
- * the panels' `cols` columns of y (rows N apart); ORDER(v) puts a panel's lanes in row order. */
-#define DEFINE_PANEL512_TILE(NAME, T, LOAD, ORDER)                                                \
+/* MR (<= PANEL_MR512) rows of x (XT, K apart) against NP (1 or 2) panels (K * PANEL apart),
+ * into the panels' `cols` columns of y (rows N apart), KSTEP k at a time: per KSTEP k, LOAD(p)
+ * a panel's weights, BCAST(p) a row's x and MADD(c, b, w) c + b w; ORDER(v) puts a panel's
+ * lanes in row order. */
+#define DEFINE_PANEL512_TILE(NAME, T, XT, LOAD, BCAST, MADD, KSTEP, ORDER)                         \
     static inline __attribute__((always_inline)) void NAME(                                       \
-        const float *x, const T *w, float *y, long K, long N, long cols, const int MR, const int NP) { \
+        const XT *x, const T *w, float *y, long K, long N, long cols, const int MR, const int NP) { \
         __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0;     \
         __m512 c2_1 = c0_0, c3_0 = c0_0, c3_1 = c0_0, c4_0 = c0_0, c4_1 = c0_0, c5_0 = c0_0;       \
         __m512 c5_1 = c0_0, c6_0 = c0_0, c6_1 = c0_0, c7_0 = c0_0, c7_1 = c0_0, c8_0 = c0_0;       \
         __m512 c8_1 = c0_0, c9_0 = c0_0, c9_1 = c0_0, c10_0 = c0_0, c10_1 = c0_0, c11_0 = c0_0;    \
         __m512 c11_1 = c0_0;                                                                      \
         const T *v = w + K * PANEL;                                                               \
-        for (long k = 0; k < K; k++) {                                                            \
+        for (long k = 0; k < K; k += KSTEP) {                                                     \
             /* 16 k on (a hint: past the end it never faults): a step of a few tokens waits on \
              * memory, and 16 rows ran 1.3x faster than with the hardware prefetcher alone */   \
             _mm_prefetch((const char *)(w + (k + 16) * PANEL), _MM_HINT_T0);                      \
             if (NP > 1) _mm_prefetch((const char *)(v + (k + 16) * PANEL), _MM_HINT_T0);          \
             const __m512 w0 = LOAD(w + k * PANEL), w1 = NP > 1 ? LOAD(v + k * PANEL) : w0;        \
-            PANEL512_FMA(0) PANEL512_FMA(1) PANEL512_FMA(2) PANEL512_FMA(3) PANEL512_FMA(4)       \
-            PANEL512_FMA(5) PANEL512_FMA(6) PANEL512_FMA(7) PANEL512_FMA(8) PANEL512_FMA(9)       \
-            PANEL512_FMA(10) PANEL512_FMA(11)                                                     \
+            PANEL512_FMA(0, BCAST, MADD) PANEL512_FMA(1, BCAST, MADD) PANEL512_FMA(2, BCAST, MADD) \
+            PANEL512_FMA(3, BCAST, MADD) PANEL512_FMA(4, BCAST, MADD) PANEL512_FMA(5, BCAST, MADD) \
+            PANEL512_FMA(6, BCAST, MADD) PANEL512_FMA(7, BCAST, MADD) PANEL512_FMA(8, BCAST, MADD) \
+            PANEL512_FMA(9, BCAST, MADD) PANEL512_FMA(10, BCAST, MADD) PANEL512_FMA(11, BCAST, MADD) \
         }                                                                                         \
         const long c0 = cols < PANEL ? cols : PANEL, c1 = cols - PANEL;                           \
         const __mmask16 mask0 = (__mmask16)((1u << c0) - 1), mask1 = (__mmask16)(c1 > 0 ? (1u << c1) - 1 : 0); \
@@ -223,9 +231,9 @@ static inline __m512 panel512_f32(const float *p) { return _mm512_loadu_ps(p); }
  * single panels where there are fewer than two pairs a thread (many cores, few rows of w: the
  * threads then share the work more evenly), each against every row of x (on the CPUs that have
  * AVX-512, x's rows fit the L2 cache, and blocks of 96 rows measured the same). */
-#define DEFINE_PACKED_GEMM512(NAME, T, LOAD, ORDER)                                               \
-    DEFINE_PANEL512_TILE(NAME##_tile, T, LOAD, ORDER)                                             \
-    void NAME(const float *x, const T *w, float *y, long M, long N, long K) {                     \
+#define DEFINE_PACKED_GEMM512(NAME, T, XT, LOAD, BCAST, MADD, KSTEP, ORDER)                       \
+    DEFINE_PANEL512_TILE(NAME##_tile, T, XT, LOAD, BCAST, MADD, KSTEP, ORDER)                     \
+    void NAME(const XT *x, const T *w, float *y, long M, long N, long K) {                        \
         const long panels = (N + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;                    \
         const long per = pairs >= 2 * omp_get_max_threads() ? 2 : 1, units = per == 2 ? pairs : panels; \
         const long m1 = M;  /* PANEL512_ROWS's end */                                             \
@@ -243,10 +251,53 @@ static inline __m512 bf16_rows_in_order(__m512 v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), v);
 }
 #define IN_ORDER(v) (v)
+#define BCAST_F32(p) _mm512_set1_ps(*(p))
+#define FMADD512(c, b, w) _mm512_fmadd_ps(b, w, c)
 
-DEFINE_PACKED_GEMM512(gemm_packed_bf16, uint16_t, panel512_bf16, bf16_rows_in_order)
-DEFINE_PACKED_GEMM512(gemm_packed_f16, uint16_t, panel512_f16, IN_ORDER)
-DEFINE_PACKED_GEMM512(gemm_packed_f32, float, panel512_f32, IN_ORDER)
+#ifndef BF16_DOT
+DEFINE_PACKED_GEMM512(gemm_packed_bf16, uint16_t, float, panel512_bf16, BCAST_F32, FMADD512, 1, bf16_rows_in_order)
+#endif
+DEFINE_PACKED_GEMM512(gemm_packed_f16, uint16_t, float, panel512_f16, BCAST_F32, FMADD512, 1, IN_ORDER)
+DEFINE_PACKED_GEMM512(gemm_packed_f32, float, float, panel512_f32, BCAST_F32, FMADD512, 1, IN_ORDER)
+#endif
+
+#ifdef BF16_DOT
+/* With AVX512-BF16, steps of BF16_DOT_MIN_ROWS rows of x or more (bound by the arithmetic, not
+ * by reading the weights) round x to bfloat16 and take the bfloat16 panels two k at a time with
+ * VDPBF16PS, which multiplies and adds pairs of bfloat16 into float32 lanes: twice the products
+ * of an FMA per instruction. x's rounding is the only change to the arithmetic (what
+ * torch's and oneDNN's bfloat16 GEMMs do to their inputs too); the products and sums stay
+ * float32. Smaller steps, and an odd K, keep x in float32. A permutation pairs each panel's
+ * weights of k and k + 1 in one 32-bit lane, in the panel's packed row order. */
+#define BF16_DOT_MIN_ROWS 6
+
+static inline __m512 panel512_bf16_pairs(const uint16_t *p) {
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_castsi512_ps(_mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(p)));
+}
+#define BCAST_BF16_PAIR(p) _mm512_castsi512_ps(_mm512_set1_epi32(*(const int32_t *)(p)))
+#define DPBF16(c, b, w) _mm512_dpbf16_ps(c, (__m512bh)(w), (__m512bh)(b))
+
+DEFINE_PACKED_GEMM512(gemm_packed_bf16_f32x, uint16_t, float, panel512_bf16, BCAST_F32, FMADD512, 1,
+                      bf16_rows_in_order)
+DEFINE_PACKED_GEMM512(gemm_packed_bf16_dot, uint16_t, uint16_t, panel512_bf16_pairs, BCAST_BF16_PAIR, DPBF16, 2,
+                      bf16_rows_in_order)
+
+void gemm_packed_bf16(const float *x, const uint16_t *w, float *y, long M, long N, long K) {
+    uint16_t *xb = M >= BF16_DOT_MIN_ROWS && K % 2 == 0 ? malloc(M * K * sizeof(uint16_t)) : NULL;
+    if (xb == NULL) {
+        gemm_packed_bf16_f32x(x, w, y, M, N, K);
+        return;
+    }
+    const long n = M * K;
+#pragma omp parallel for schedule(static) if (n > 65536)
+    for (long i = 0; i < n - n % 32; i += 32)
+        _mm512_storeu_si512(xb + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
+    for (long i = n - n % 32; i < n; i++) xb[i] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(_mm_set1_ps(x[i])), 0);
+    gemm_packed_bf16_dot(xb, w, y, M, N, K);
+    free(xb);
+}
 #endif
 
 /* The widest vectors this build's kernels use, in bits: 512 where it was built for AVX-512. */
@@ -255,6 +306,16 @@ int cpu_kernels_vector_bits(void) {
     return 512;
 #else
     return 256;
+#endif
+}
+
+/* From how many rows of x the bfloat16 GEMM rounds x to bfloat16 (where K is even), or 0 where
+ * the build has no AVX512-BF16 and x stays float32 at every size. */
+int cpu_kernels_bf16_dot_min_rows(void) {
+#ifdef BF16_DOT
+    return BF16_DOT_MIN_ROWS;
+#else
+    return 0;
 #endif
 }
 
