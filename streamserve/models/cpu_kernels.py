@@ -156,7 +156,7 @@ class CpuKernels:
         self._decode.restype = None
         self._prefill = lib.paged_prefill_attention
         self._prefill.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 6
-                                  + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long])
+                                  + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long, ctypes.c_long])
         self._prefill.restype = ctypes.c_int
 
     def paged_decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
@@ -174,11 +174,15 @@ class CpuKernels:
         return out
 
     def paged_prefill_attention(self, q: torch.Tensor, cache: torch.Tensor, query_start_loc: torch.Tensor,
-                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                                bf16_dot: bool = False) -> torch.Tensor:
         """Causal attention of S sequences' query rows: sequence s's are rows query_start_loc[s] ..
         query_start_loc[s + 1] - 1 of q (as for paged_decode_attention), at the last positions
         before seq_lens[s], each over its keys up to its own position, through row s of block_tables
-        [S, W] (int64; its keys, this chunk's included, already in the cache) -> [N, Hq * D]."""
+        [S, W] (int64; its keys, this chunk's included, already in the cache) -> [N, Hq * D].
+        With `bf16_dot`, where the build has AVX512-BF16 (bf16_dot_min_rows) and head_dim is a
+        multiple of 16, both products take bfloat16 dot products (q, K, V and the softmax's weights
+        rounded to bfloat16; the sums and the softmax stay float32)."""
         n_seqs = seq_lens.shape[0]
         num_heads, out = self._check_attention(q, cache, block_tables, seq_lens, n_seqs)
         loc = query_start_loc.tolist()
@@ -193,7 +197,7 @@ class CpuKernels:
         if self._prefill(q.data_ptr(), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
                          query_start_loc.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
                          n_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
-                         cache.dtype == torch.float16):
+                         cache.dtype == torch.float16, bf16_dot):
             raise MemoryError("the CPU prefill attention found no memory for its scratch")
         return out
 
@@ -319,7 +323,7 @@ class _StepLayer(ctypes.Structure):
 class _StepModel(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_long) for name in (
         "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
-        "max_position", "num_slots", "quant_max_tokens", "kv_half")]
+        "max_position", "num_slots", "quant_max_tokens", "kv_half", "bf16_dot")]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
            ("cos_sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_StepLayer))])
 
@@ -340,7 +344,7 @@ class StepForward:
     `unsupported(model, kv_caches)` says why a model cannot run this way."""
 
     def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor], max_tokens: int,
-                 quant_max_tokens: int = 0) -> None:
+                 quant_max_tokens: int = 0, bf16_dot: bool = False) -> None:
         reason = self.unsupported(model, kv_caches)
         if reason:
             raise ValueError(f"the C step cannot run this model: {reason}")
@@ -378,7 +382,7 @@ class StepForward:
             num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
             block_size=kv_caches[0].shape[2], max_position=model.rotary.cos_sin_cache.shape[0],
             num_slots=kv_caches[0].shape[1] * kv_caches[0].shape[2],
-            quant_max_tokens=quant_max_tokens, kv_half=kv_caches[0].dtype == torch.float16,
+            quant_max_tokens=quant_max_tokens, kv_half=kv_caches[0].dtype == torch.float16, bf16_dot=bf16_dot,
             eps=arch.rms_norm_eps, scale=arch.head_dim ** -0.5, final_norm=ptr(model.norm.weight),
             cos_sin=ptr(model.rotary.cos_sin_cache), layers=layers)
         self._model_ref = ctypes.byref(self._model)

@@ -53,9 +53,10 @@ class TorchPagedAttention:
     """The per-step attention callable the model calls once per layer."""
 
     def __init__(self, kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
-                 num_heads: int, num_kv_heads: int, head_dim: int, kernels=None) -> None:
+                 num_heads: int, num_kv_heads: int, head_dim: int, kernels=None, bf16_dot: bool = False) -> None:
         self.kv_caches = kv_caches
         self.kernels = kernels  # models.cpu_kernels.CpuKernels, for the decodes with decode_seq_lens
+        self.bf16_dot = bf16_dot  # whether the C prefill attention takes bfloat16 dot products
         self.meta = metadata
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
@@ -74,7 +75,7 @@ class TorchPagedAttention:
         if self.meta.prefill_seq_lens is not None:
             out[nd:] = self.kernels.paged_prefill_attention(
                 q[nd:], cache, self.meta.prefill_query_start_loc, self.meta.prefill_block_tables,
-                self.meta.prefill_seq_lens, self.scale)
+                self.meta.prefill_seq_lens, self.scale, self.bf16_dot)
             return out
         for chunk in prefills:
             rows = slice(chunk.query_start, chunk.query_end)

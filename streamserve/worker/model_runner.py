@@ -121,6 +121,10 @@ class ModelRunner:
         arch = self.model.arch
         self.cpu_attention = self.c_kernels is not None and cpu_kernels.fits_decode_attention(
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        # A bfloat16 checkpoint, where the C kernels take bfloat16 dot products (AVX512-BF16): the
+        # GEMM of its larger steps and its prefill attention do (x, q, K, V rounded to bfloat16).
+        self.bf16_dot = (self.c_kernels is not None and low_precision == torch.bfloat16
+                         and self.c_kernels.bf16_dot_min_rows > 0)
         if self.c_kernels is not None:
             # Every step reads packed copies (in the checkpoint's dtype) through the C GEMM, but
             # where torch's native half-precision GEMMs (AMX) take the GEMMs of more than
@@ -129,15 +133,15 @@ class ModelRunner:
             # takes bfloat16 dot products itself (AVX512-BF16), it matched oneDNN's on 2000-token
             # steps, so a bfloat16 checkpoint keeps no row-major copies.
             copy = low_precision or torch.float32
-            native = native_half and not (copy == torch.bfloat16 and self.c_kernels.bf16_dot_min_rows)
+            native = native_half and not self.bf16_dot
             self.model.keep_copies(copy, self.c_kernels.gemm[copy], C_STEP_MAX_TOKENS if native else sys.maxsize,
                                    row_major=native, drop_full=True)
             self.low_precision_max_tokens = sys.maxsize
             name = str(copy).removeprefix("torch.")
-            dot = self.c_kernels.bf16_dot_min_rows if copy == torch.bfloat16 else 0
             logger.info("computing in float32 from packed %s weights, read by the C GEMM (%d-bit vectors%s) for %s",
                         name, self.c_kernels.vector_bits,
-                        f"; bfloat16 dot products from {dot} rows" if dot else "",
+                        f"; bfloat16 dot products from {self.c_kernels.bf16_dot_min_rows} rows, and in the "
+                        "prefill attention" if self.bf16_dot else "",
                         f"steps of at most {C_STEP_MAX_TOKENS} tokens and by torch's native {name} GEMMs above"
                         if native else "every step")
         elif low_precision is not None:  # (choose_dtypes: a CPU with native half GEMMs computes in them)
@@ -172,7 +176,7 @@ class ModelRunner:
             reason = cpu_kernels.StepForward.unsupported(self.model, self.kv_caches)
             if reason is None:
                 self.c_step = cpu_kernels.StepForward(self.c_kernels, self.model, self.kv_caches, C_STEP_MAX_TOKENS,
-                                                      self.quant_max_tokens)
+                                                      self.quant_max_tokens, self.bf16_dot)
             else:
                 logger.info("every step runs op by op: the C step cannot run this model (%s)", reason)
         self.graphs: Optional[DecodeGraphs] = None
@@ -435,7 +439,7 @@ class ModelRunner:
             return TritonPagedAttention(kv_caches, meta, self.num_heads, self.num_kv_heads, self.head_dim,
                                         self.workspace)
         return TorchPagedAttention(kv_caches, meta, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.c_kernels)
+                                   self.c_kernels, self.bf16_dot)
 
     def _attention_metadata(self, slot_mapping: torch.Tensor, tables: np.ndarray, seq_lens: np.ndarray,
                             nd: int, max_decode_len: int, chunks: list[tuple[int, int]]):

@@ -271,11 +271,21 @@ DEFINE_PACKED_GEMM512(gemm_packed_f32, float, float, panel512_f32, BCAST_F32, FM
  * weights of k and k + 1 in one 32-bit lane, in the panel's packed row order. */
 #define BF16_DOT_MIN_ROWS 6
 
-static inline __m512 panel512_bf16_pairs(const uint16_t *p) {
+/* The 32 bfloat16 of v as 16 pairs, one a 32-bit lane: lane i holds elements i and i + 16. */
+static inline __m512 pair_halves(__m512i v) {
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                            23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-    return _mm512_castsi512_ps(_mm512_permutexvar_epi16(pairs, _mm512_loadu_si512(p)));
+    return _mm512_castsi512_ps(_mm512_permutexvar_epi16(pairs, v));
 }
+
+/* 16 pairs of bfloat16 (lo[i], hi[i]), rounded from two vectors of float32. */
+static inline __m512 bf16_pairs(__m512 lo, __m512 hi) { return pair_halves((__m512i)_mm512_cvtne2ps_pbh(hi, lo)); }
+
+static inline uint16_t bf16_bits(float x) {
+    return (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(_mm_set1_ps(x)), 0);
+}
+
+static inline __m512 panel512_bf16_pairs(const uint16_t *p) { return pair_halves(_mm512_loadu_si512(p)); }
 #define BCAST_BF16_PAIR(p) _mm512_castsi512_ps(_mm512_set1_epi32(*(const int32_t *)(p)))
 #define DPBF16(c, b, w) _mm512_dpbf16_ps(c, (__m512bh)(w), (__m512bh)(b))
 
@@ -294,7 +304,7 @@ void gemm_packed_bf16(const float *x, const uint16_t *w, float *y, long M, long 
 #pragma omp parallel for schedule(static) if (n > 65536)
     for (long i = 0; i < n - n % 32; i += 32)
         _mm512_storeu_si512(xb + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
-    for (long i = n - n % 32; i < n; i++) xb[i] = (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(_mm_set1_ps(x[i])), 0);
+    for (long i = n - n % 32; i < n; i++) xb[i] = bf16_bits(x[i]);
     gemm_packed_bf16_dot(xb, w, y, M, N, K);
     free(xb);
 }
@@ -1021,27 +1031,45 @@ static inline lanes_t lanes_zero_where_ninf(lanes_t x, lanes_t ref) {
 #define PF_LANES (VL * PF_VECS)
 #define PF_KEYS 32                /* keys a tile (even: the scores take two at a time) */
 
-/* a##i += x * r[VL i..], b##i += y * r[VL i..] for the first NV vectors of lanes at r */
+/* a##i += x * r[VL i..], b##i += y * r[VL i..] for the first NV vectors of lanes at r (with
+ * DOT, x, y and r hold pairs of bfloat16, and each lane adds both pairs' products) */
 #define LANE_FMA(i)                                                                               \
     if (NV > i) {                                                                                 \
         lanes_t r_ = L_LOAD(r + VL * i);                                                          \
         L_PIN(r_); /* one load for both FMAs: the compiler would fold it into each */             \
-        a##i = L_FMA(x, r_, a##i), b##i = L_FMA(y, r_, b##i);                                     \
+        a##i = L_MADD(x, r_, a##i), b##i = L_MADD(y, r_, b##i);                                   \
     }
+#ifdef BF16_DOT
+#define L_MADD(x, r, a) (DOT ? DPBF16(a, x, r) : L_FMA(x, r, a))
+#define L_BCAST_PAIR BCAST_BF16_PAIR
+#else
+#define L_MADD(x, r, a) L_FMA(x, r, a)
+#define L_BCAST_PAIR(p) L_BCAST((const float *)(p))
+#endif
 #define LANE_FMAS LANE_FMA(0) LANE_FMA(1) LANE_FMA(2) LANE_FMA(3) LANE_FMA(4) LANE_FMA(5)
 
 /* s[j][lane] = sum_d kt[j][d] * qt[d][lane] for the keys j < n of a tile (rows Dp apart; a spare
- * row of zeros when n is odd) and the lanes of the first NV vectors. */
-static inline __attribute__((always_inline)) void lane_scores(const float *qt, const float *kt, long n, long D,
-                                                              long Dp, float *s, const int NV) {
+ * row of zeros when n is odd) and the lanes of the first NV vectors. With DOT, kt holds
+ * bfloat16 and qt [D / 2][lane] pairs of them (d, d + 1). */
+static inline __attribute__((always_inline)) void lane_scores(const float *qt, const void *kt, long n, long D,
+                                                              long Dp, float *s, const int NV, const int DOT) {
     for (long j = 0; j < n; j += 2) {
-        const float *k0 = kt + j * Dp, *k1 = k0 + Dp;
         lanes_t a0 = L_ZERO(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
         lanes_t b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
-        for (long d = 0; d < D; d++) {
-            const float *r = qt + d * PF_LANES;
-            const lanes_t x = L_BCAST(k0 + d), y = L_BCAST(k1 + d);
-            LANE_FMAS
+        if (DOT) {
+            const uint16_t *k0 = (const uint16_t *)kt + j * Dp, *k1 = k0 + Dp;
+            for (long d = 0; d < D; d += 2) {
+                const float *r = qt + d / 2 * PF_LANES;
+                const lanes_t x = L_BCAST_PAIR(k0 + d), y = L_BCAST_PAIR(k1 + d);
+                LANE_FMAS
+            }
+        } else {
+            const float *k0 = (const float *)kt + j * Dp, *k1 = k0 + Dp;
+            for (long d = 0; d < D; d++) {
+                const float *r = qt + d * PF_LANES;
+                const lanes_t x = L_BCAST(k0 + d), y = L_BCAST(k1 + d);
+                LANE_FMAS
+            }
         }
         float *s0 = s + j * PF_LANES, *s1 = s0 + PF_LANES;
 #define STORE(i) if (NV > i) L_STORE(s0 + VL * i, a##i), L_STORE(s1 + VL * i, b##i);
@@ -1051,10 +1079,12 @@ static inline __attribute__((always_inline)) void lane_scores(const float *qt, c
 }
 
 /* acc[d][lane] = acc[d][lane] * alpha[lane] + sum_j vt[j][d] * s[j][lane] over the keys j < n of a
- * tile (rows Dp apart; a spare column of zeros when D is odd), two columns at a time. */
-static inline __attribute__((always_inline)) void lane_values(float *acc, const float *s, const float *vt,
+ * tile (rows Dp apart; a spare column of zeros when D is odd), two columns at a time. With DOT,
+ * s [n / 2][lane] and vt [n / 2][Dp] hold pairs of bfloat16 (keys j, j + 1; the spare key of
+ * an odd n zeros). */
+static inline __attribute__((always_inline)) void lane_values(float *acc, const float *s, const void *vt,
                                                               const float *alpha, long n, long D, long Dp,
-                                                              const int NV) {
+                                                              const int NV, const int DOT) {
     for (long d = 0; d < D; d += 2) {
         float *c0 = acc + d * PF_LANES, *c1 = c0 + PF_LANES;
 #define LOAD(i)                                                                                   \
@@ -1067,10 +1097,19 @@ static inline __attribute__((always_inline)) void lane_values(float *acc, const 
         lanes_t b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0;
         LOAD(0) LOAD(1) LOAD(2) LOAD(3) LOAD(4) LOAD(5)
 #undef LOAD
-        for (long j = 0; j < n; j++) {
-            const float *r = s + j * PF_LANES;
-            const lanes_t x = L_BCAST(vt + j * Dp + d), y = L_BCAST(vt + j * Dp + d + 1);
-            LANE_FMAS
+        if (DOT) {
+            for (long j = 0; j < n; j += 2) {
+                const float *r = s + j / 2 * PF_LANES;
+                const int32_t *v = (const int32_t *)vt + j / 2 * Dp + d;
+                const lanes_t x = L_BCAST_PAIR(v), y = L_BCAST_PAIR(v + 1);
+                LANE_FMAS
+            }
+        } else {
+            for (long j = 0; j < n; j++) {
+                const float *r = s + j * PF_LANES, *v = (const float *)vt + j * Dp + d;
+                const lanes_t x = L_BCAST(v), y = L_BCAST(v + 1);
+                LANE_FMAS
+            }
         }
 #define STORE(i) if (NV > i) L_STORE(c0 + VL * i, a##i), L_STORE(c1 + VL * i, b##i);
         STORE(0) STORE(1) STORE(2) STORE(3) STORE(4) STORE(5)
@@ -1116,12 +1155,15 @@ static inline __attribute__((always_inline)) void lane_softmax(float *s, long n,
 }
 
 /* A task's scratch, 64-byte aligned arrays of floats: qt [D][PF_LANES], kt and vt [PF_KEYS][Dp],
- * s [PF_KEYS][PF_LANES], acc [Dp][PF_LANES], m, l, alpha [PF_LANES]; then pos [PF_LANES] int32. */
+ * s [PF_KEYS][PF_LANES], acc [Dp][PF_LANES], m, l, alpha [PF_LANES]; then pos [PF_LANES] int32;
+ * then (for the bfloat16 dot products) the tile's K and V as lane_scores and lane_values take
+ * them, [PF_KEYS][Dp] bfloat16 each. */
 static long prefill_scratch_bytes(long D) {
     const long Dp = (D + 7) / 8 * 8;
     return sizeof(float) * (D * PF_LANES + 2 * PF_KEYS * Dp + PF_KEYS * PF_LANES + Dp * PF_LANES + 3 * PF_LANES)
-           + sizeof(int32_t) * PF_LANES;
+           + sizeof(int32_t) * PF_LANES + sizeof(uint16_t) * 2 * PF_KEYS * Dp;
 }
+
 
 /* One task: the query lanes first .. first + count - 1 (lane i: row i / G, query head h * G + i % G)
  * of a sequence whose query rows start at q row `row0`, at position pos0, over its keys k0 .. k1 - 1
@@ -1132,14 +1174,21 @@ static inline __attribute__((always_inline)) void prefill_task(
         const float *q, long q_row_stride, const void *k_cache, const void *v_cache, const int64_t *table,
         long Hq, long Hkv, long D, long bs, long h, long row0, long pos0, long first, long count, long k0,
         long k1, float scale, float *out, float *part, long part_row0, long c, long chunks, float *scratch,
-        const int NV, const int half) {
+        const int NV, const int half, const int DOT) {
     const long G = Hq / Hkv, Dp = (D + 7) / 8 * 8;
     float *qt = scratch, *kt = qt + D * PF_LANES, *vt = kt + PF_KEYS * Dp, *s = vt + PF_KEYS * Dp;
     float *acc = s + PF_KEYS * PF_LANES, *m = acc + Dp * PF_LANES, *l = m + PF_LANES, *alpha = l + PF_LANES;
     int32_t *pos = (int32_t *)(alpha + PF_LANES);
+    uint16_t *kb = (uint16_t *)(pos + PF_LANES), *vb = kb + PF_KEYS * Dp;
     for (long i = 0; i < PF_LANES; i++) {
         const long lane = first + (i < count ? i : count - 1), r = lane / G;  /* spare lanes repeat the last */
         const float *src = q + (row0 + r) * q_row_stride + (h * G + lane % G) * D;
+#ifdef BF16_DOT
+        if (DOT)  /* pairs (d, d + 1) of bfloat16 */
+            for (long d = 0; d < D; d += 2)
+                ((uint32_t *)qt)[d / 2 * PF_LANES + i] = bf16_bits(src[d] * scale) | (uint32_t)bf16_bits(src[d + 1] * scale) << 16;
+        else
+#endif
         for (long d = 0; d < D; d++) qt[d * PF_LANES + i] = src[d] * scale;
         pos[i] = (int32_t)(pos0 + r);
         m[i] = -INFINITY, l[i] = 0.0f;
@@ -1171,10 +1220,31 @@ static inline __attribute__((always_inline)) void prefill_task(
             }
         }
         if (n % 2)  /* the scores take keys in pairs: the spare one is zeros */
-            for (long d = 0; d < D; d++) kt[n * Dp + d] = 0.0f;
-        lane_scores(qt, kt, n, D, Dp, s, NV);
+            for (long d = 0; d < Dp; d++) kt[n * Dp + d] = vt[n * Dp + d] = 0.0f;
+#ifdef BF16_DOT
+        if (DOT) {  /* K's rows in bfloat16; V's in pairs of rows (j, j + 1) */
+            for (long j = 0; j < n + n % 2; j += 2)
+                for (long d = 0; d < Dp; d += 16) {
+                    const __m512 k0 = _mm512_load_ps(kt + j * Dp + d), k1 = _mm512_load_ps(kt + (j + 1) * Dp + d);
+                    const __m512 v0 = _mm512_load_ps(vt + j * Dp + d), v1 = _mm512_load_ps(vt + (j + 1) * Dp + d);
+                    _mm256_storeu_si256((__m256i *)(kb + j * Dp + d), (__m256i)_mm512_cvtneps_pbh(k0));
+                    _mm256_storeu_si256((__m256i *)(kb + (j + 1) * Dp + d), (__m256i)_mm512_cvtneps_pbh(k1));
+                    _mm512_storeu_ps((float *)vb + j / 2 * Dp + d, bf16_pairs(v0, v1));
+                }
+        }
+#endif
+        lane_scores(qt, DOT ? (const void *)kb : kt, n, D, Dp, s, NV, DOT);
         lane_softmax(s, n, t0, pos, t0 + n - 1 > pos[0], m, l, alpha, NV);
-        lane_values(acc, s, vt, alpha, n, D, Dp, NV);
+#ifdef BF16_DOT
+        if (DOT)  /* the weights in pairs of keys (j, j + 1), in place; the spare key's zero */
+            for (long j = 0; j < n; j += 2)
+                for (int v = 0; v < NV; v++) {
+                    const __m512 w0 = _mm512_load_ps(s + j * PF_LANES + VL * v);
+                    const __m512 w1 = j + 1 < n ? _mm512_load_ps(s + (j + 1) * PF_LANES + VL * v) : _mm512_setzero_ps();
+                    _mm512_store_ps(s + j / 2 * PF_LANES + VL * v, bf16_pairs(w0, w1));
+                }
+#endif
+        lane_values(acc, s, DOT ? (const void *)vb : vt, alpha, n, D, Dp, NV, DOT);
     }
     for (long i = 0; i < count; i++) {
         const long lane = first + i, head = h * G + lane % G;
@@ -1190,24 +1260,33 @@ static inline __attribute__((always_inline)) void prefill_task(
     }
 }
 
-/* prefill_task for each cache type, with as many vectors of lanes as `count` needs */
-#define PREFILL_TASK(NAME, HALF)                                                                  \
+/* prefill_task for each cache type (and with AVX512-BF16, with and without the bfloat16 dot
+ * products), with as many vectors of lanes as `count` needs */
+typedef void (*prefill_task_fn)(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
+                                const int64_t *table, long Hq, long Hkv, long D, long bs, long h, long row0,
+                                long pos0, long first, long count, long k0, long k1, float scale, float *out,
+                                float *part, long part_row0, long c, long chunks, float *scratch);
+#define PREFILL_TASK(NAME, HALF, DOT)                                                             \
     static void NAME(const float *q, long q_row_stride, const void *k_cache, const void *v_cache, \
                      const int64_t *table, long Hq, long Hkv, long D, long bs, long h, long row0,  \
                      long pos0, long first, long count, long k0, long k1, float scale, float *out, \
                      float *part, long part_row0, long c, long chunks, float *scratch) {           \
         switch ((count + VL - 1) / VL) {                                                          \
-        TASK_CASE(1, HALF) TASK_CASE(2, HALF) TASK_CASE(3, HALF)                                  \
-        TASK_CASE(4, HALF) TASK_CASE(5, HALF) default: TASK_CASE(6, HALF)                         \
+        TASK_CASE(1, HALF, DOT) TASK_CASE(2, HALF, DOT) TASK_CASE(3, HALF, DOT)                   \
+        TASK_CASE(4, HALF, DOT) TASK_CASE(5, HALF, DOT) default: TASK_CASE(6, HALF, DOT)          \
         }                                                                                         \
     }
-#define TASK_CASE(NV, HALF)                                                                       \
+#define TASK_CASE(NV, HALF, DOT)                                                                  \
     case NV:                                                                                      \
         prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, \
-                     k0, k1, scale, out, part, part_row0, c, chunks, scratch, NV, HALF);          \
+                     k0, k1, scale, out, part, part_row0, c, chunks, scratch, NV, HALF, DOT);     \
         break;
-PREFILL_TASK(prefill_task_f32, 0)
-PREFILL_TASK(prefill_task_f16, 1)
+PREFILL_TASK(prefill_task_f32, 0, 0)
+PREFILL_TASK(prefill_task_f16, 1, 0)
+#ifdef BF16_DOT
+PREFILL_TASK(prefill_task_f32_dot, 0, 1)
+PREFILL_TASK(prefill_task_f16_dot, 1, 1)
+#endif
 #undef TASK_CASE
 #undef PREFILL_TASK
 
@@ -1225,8 +1304,12 @@ PREFILL_TASK(prefill_task_f16, 1)
 int paged_prefill_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
                             const int64_t *query_start_loc, const int64_t *tables, const int64_t *seq_lens,
                             float *out, long S, long Hq, long Hkv, long D, long bs, long W, float scale,
-                            long kv_half) {
+                            long kv_half, long bf16_dot) {
     const long G = Hq / Hkv, row0 = query_start_loc[0], rows = query_start_loc[S] - row0;
+    prefill_task_fn task = kv_half ? prefill_task_f16 : prefill_task_f32;
+#ifdef BF16_DOT
+    if (bf16_dot && D % 16 == 0) task = kv_half ? prefill_task_f16_dot : prefill_task_f32_dot;
+#endif
     long num_tasks = 0, max_len = 0;
     for (long s = 0; s < S; s++) {
         num_tasks += Hkv * (((query_start_loc[s + 1] - query_start_loc[s]) * G + PF_LANES - 1) / PF_LANES);
@@ -1257,10 +1340,9 @@ int paged_prefill_attention(const float *q, long q_row_stride, const void *k_cac
         const long s = tasks[4 * i], h = tasks[4 * i + 1], first = tasks[4 * i + 2], c = tasks[4 * i + 3];
         const long start = query_start_loc[s], n = query_start_loc[s + 1] - start, lanes = n * G;
         const long count = lanes - first < PF_LANES ? lanes - first : PF_LANES, per = (seq_lens[s] + chunks - 1) / chunks;
-        (kv_half ? prefill_task_f16 : prefill_task_f32)(q, q_row_stride, k_cache, v_cache, tables + s * W, Hq, Hkv,
-                                                        D, bs, h, start, seq_lens[s] - n, first, count, c * per,
-                                                        (c + 1) * per, scale, out, part, row0, c, chunks,
-                                                        scratch + omp_get_thread_num() * scratch_floats);
+        task(q, q_row_stride, k_cache, v_cache, tables + s * W, Hq, Hkv, D, bs, h, start, seq_lens[s] - n, first,
+             count, c * per, (c + 1) * per, scale, out, part, row0, c, chunks,
+             scratch + omp_get_thread_num() * scratch_floats);
     }
     if (part)
         merge_chunks(part, chunks, rows, Hq, D, out + row0 * Hq * D);
@@ -1299,6 +1381,7 @@ typedef struct {
     long num_slots;                         /* num_blocks * block_size: each cache's rows */
     long quant_max_tokens;                  /* the most tokens a step may have to read the GGUF blocks */
     long kv_half;                           /* whether the caches hold float16 */
+    long bf16_dot;                          /* whether the prefill attention takes bfloat16 dot products */
     float eps, scale;
     const float *final_norm;                /* [H] */
     const float *cos_sin;                   /* [max_position, 2, D]: cos, then sin with its first half negated */
@@ -1419,7 +1502,7 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
                                    nd, Hq, Hkv, D, m->block_size, W, m->scale, m->kv_half);
         if (nd < S && paged_prefill_attention(qkv, QKV, L->k_cache, L->v_cache, query_start_loc + nd, tables + nd * W,
                                               seq_lens + nd, attn, S - nd, Hq, Hkv, D, m->block_size, W, m->scale,
-                                              m->kv_half))
+                                              m->kv_half, m->bf16_dot))
             return -5;
         if (step_gemv(m, L->o, attn, hidden, B, H, Hq * D)) return -5;
         rms_norm_f32(hidden, residual, L->post_norm, x, B, H, m->eps);  /* residual += attention out */
