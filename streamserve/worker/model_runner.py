@@ -74,7 +74,8 @@ def choose_dtypes(dtype: torch.dtype, device: torch.device,
     A bfloat16 / float16 checkpoint on the CPU computes in float32 (its values are exact in
     float32) from half-size copies of its weights: with the C kernels (`c_kernels`: they
     load, on the torch backend), packed copies that the C GEMM reads for every step (and,
-    on a CPU with native half GEMMs (AMX), row-major ones torch reads for the larger steps);
+    on a CPU with native half GEMMs (AMX) where the C GEMM does not take that dtype's dot
+    products itself, row-major ones torch reads for the larger steps);
     without them, row-major copies torch reads for the small steps, which are bound by
     reading the weights, and float32 weights for the rest (where the CPU only emulates half
     precision, several times slower). Without the C kernels a CPU with native half GEMMs
