@@ -25,7 +25,8 @@
  * Built with -march=native: where the CPU has AVX-512, the packed GEMM takes 512-bit tiles and
  * the prefill attention 512-bit lanes (twice the FMA width; the rest stays on 256-bit vectors);
  * where it has AVX512-BF16 too, the bfloat16 GEMM of steps of a few rows and up takes bfloat16
- * dot products (twice the arithmetic again; x rounded to bfloat16).
+ * dot products (twice the arithmetic again; x rounded to bfloat16), and so does the prefill
+ * attention where asked (a bfloat16 checkpoint's: q, K, V and the softmax's weights rounded).
  */
 #include <immintrin.h>
 #include <float.h>
@@ -977,7 +978,10 @@ void paged_decode_attention(const float *q, long q_row_stride, const void *k_cac
  * each an FMA of a broadcast K or V element and a vector of lanes, two keys or two columns at
  * a time into 12 accumulators. No horizontal sums; the online softmax (max, exp, sum, the
  * rescaling of the outputs) runs down the lanes, masking the keys past each lane's position
- * only in the tiles that reach past the task's first position. */
+ * only in the tiles that reach past the task's first position. With AVX512-BF16, where the
+ * caller asks (bf16_dot) and D is a multiple of 16, both products take VDPBF16PS on pairs of
+ * bfloat16: the queries packed in pairs along d, the tile's K rows in bfloat16 and its V and
+ * the softmax's weights in pairs of keys, so each instruction does two FMAs' products. */
 
 /* The lanes' vectors: VL floats, 512-bit where the CPU has AVX-512 (a task then takes 96 lanes
  * in its six vectors, twice the queries each K and V tile is widened for), else 256-bit. */
@@ -1163,7 +1167,6 @@ static long prefill_scratch_bytes(long D) {
     return sizeof(float) * (D * PF_LANES + 2 * PF_KEYS * Dp + PF_KEYS * PF_LANES + Dp * PF_LANES + 3 * PF_LANES)
            + sizeof(int32_t) * PF_LANES + sizeof(uint16_t) * 2 * PF_KEYS * Dp;
 }
-
 
 /* One task: the query lanes first .. first + count - 1 (lane i: row i / G, query head h * G + i % G)
  * of a sequence whose query rows start at q row `row0`, at position pos0, over its keys k0 .. k1 - 1
