@@ -8,7 +8,9 @@ SmolLM2's head layout (9 query heads on 3 KV heads, head_dim 64), KV in blocks o
 over the pool; each row is timed as the lower quartile of repeated calls. The same layer's cache
 is read again and again, so the larger rows come from the CPU's caches more than in a real step
 (whose 30 layers' caches do not fit): there the float16 cache gains more. The prefill rows also
-print the float16 kernel's GFLOP/s (4 * heads * head_dim flops per query-key pair the causal mask keeps).
+print the float16 kernel's GFLOP/s (4 * heads * head_dim flops per query-key pair the causal mask keeps),
+and where the CPU has AVX512-BF16, the float16 kernel taking bfloat16 dot products (a bfloat16
+checkpoint's prefill chunks) and its speed-up.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def setup_prefill(ctx: int, rows: int = 256):
     starts, lens, tables = torch.tensor([0, rows]), torch.tensor([ctx + rows]), table[None].contiguous()
     return (lambda: kernels.paged_prefill_attention(q, cache, starts, tables, lens, D ** -0.5),
             lambda: kernels.paged_prefill_attention(q, half, starts, tables, lens, D ** -0.5),
-            lambda: torch_path._prefill(q, k, v, cache, chunk))
+            lambda: torch_path._prefill(q, k, v, cache, chunk),
+            lambda: kernels.paged_prefill_attention(q, half, starts, tables, lens, D ** -0.5, bf16_dot=True))
 
 
 def quartile(fn, n: int) -> float:
@@ -82,15 +85,21 @@ def main() -> None:
         tc, th, tt = quartile(c_kernel, n), quartile(c_half, n), quartile(torch_path, n)
         print(f"{batch:5d} {ctx:7d} {tc * 1e6:11.0f} us {th * 1e6:11.0f} us {tt * 1e6:10.0f} us "
               f"{tt / tc:10.1f}x {tt / th:8.1f}x", flush=True)
-    print("\n rows context  C, float32 KV  C, float16 KV    torch path  torch / C float32 / float16  GFLOP/s")
+    dot = cpu_kernels.load().bf16_dot_min_rows > 0
+    print("\n rows context  C, float32 KV  C, float16 KV    torch path  torch / C float32 / float16  GFLOP/s"
+          + ("  float16 KV, bf16 dot  speed-up" if dot else ""))
     rows = 256
     for ctx in [0, 256, 768, 1792, 3840]:
-        c_kernel, c_half, torch_path = setup_prefill(ctx, rows)
+        c_kernel, c_half, torch_path, c_dot = setup_prefill(ctx, rows)
         n = 40 if ctx < 1000 else 10
         tc, th, tt = quartile(c_kernel, n), quartile(c_half, n), quartile(torch_path, n)
         flops = 4 * HQ * D * (rows * ctx + rows * (rows + 1) / 2)
-        print(f"{rows:5d} {ctx:7d} {tc * 1e3:11.2f} ms {th * 1e3:11.2f} ms {tt * 1e3:10.2f} ms "
-              f"{tt / tc:10.2f}x {tt / th:8.2f}x {flops / th / 1e9:8.1f}", flush=True)
+        line = (f"{rows:5d} {ctx:7d} {tc * 1e3:11.2f} ms {th * 1e3:11.2f} ms {tt * 1e3:10.2f} ms "
+                f"{tt / tc:10.2f}x {tt / th:8.2f}x {flops / th / 1e9:8.1f}")
+        if dot:  # (AVX512-BF16: what a bfloat16 checkpoint's prefill chunks take)
+            td = quartile(c_dot, n)
+            line += f" {td * 1e3:17.2f} ms {th / td:8.2f}x"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

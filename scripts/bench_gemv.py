@@ -75,7 +75,8 @@ def main() -> None:
                  for kind, w in zip(kinds, full)]
         print(f"GGUF blocks: {sum(b.numel() for _, b in quant) / 1e6:.0f} MB")
     print(f"{len(half)} weights, {weight_bytes / 1e6:.0f} MB in {args.dtype}, {torch.get_num_threads()} threads, "
-          f"{kernels.vector_bits}-bit kernel vectors")
+          f"{kernels.vector_bits}-bit kernel vectors"
+          + (f", bfloat16 dot products from {kernels.bf16_dot_min_rows} rows" if kernels.bf16_dot_min_rows else ""))
     print(f"{'rows':>5} {'kernel':>10} {'GB/s':>6} {'GFLOP/s':>8} {'F.linear fp32':>14} {'ratio':>6}"
           + (f" {args.quant:>10} {'vs kernel':>9}" if quant else ""))
     for m in (int(r) for r in args.rows.split(",")):
