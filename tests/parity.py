@@ -44,11 +44,12 @@ def hf_reference(model_dir: str, num_prompts: int = 9, new_tokens: int = NEW_TOK
 
 
 @functools.lru_cache(maxsize=None)
-def hf_prompt_logprobs(model_dir: str, num_prompts: int = 9) -> list[list[float]]:
-    """transformers' log-softmax of each parity prompt's tokens after the first, given the ones before."""
+def hf_prompt_logprobs(model_dir: str, num_prompts: int = 9, dtype: torch.dtype = torch.float32) -> list[list[float]]:
+    """transformers' log-softmax of each parity prompt's tokens after the first, given the ones
+    before (the model run in `dtype`)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     refs = []
     for prompt in parity_prompts()[:num_prompts]:
         with torch.no_grad():

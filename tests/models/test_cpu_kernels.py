@@ -528,15 +528,9 @@ def test_bfloat16_dot_products_cost_less_accuracy_than_computing_in_bfloat16(lla
     attention), a bfloat16 checkpoint's prompt logprobs move from transformers' float32 ones,
     on average less than transformers' own bfloat16 run moves, and at worst about as much (on
     this random model; on SmolLM2, a third as much on average: docs/design.md)."""
-    from transformers import AutoModelForCausalLM
-
     path = rounded_copy(llama_dir, tmp_path / "bf16", torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    reference = hf_prompt_logprobs(path)
+    reference, bf16_rows = hf_prompt_logprobs(path), hf_prompt_logprobs(path, dtype=torch.bfloat16)
     prompts = parity_prompts()
-    with torch.no_grad():
-        bf16_rows = [torch.log_softmax(model(torch.tensor([p])).logits[0, :-1].float(), -1)
-                     .gather(1, torch.tensor(p[1:])[:, None])[:, 0].tolist() for p in prompts]
     llm = LLM(path, dtype="bfloat16", kv_cache_memory="32MiB", enforce_eager=enforce_eager)
     runner = llm.engine_core.model_runner
     assert runner.bf16_dot and runner.c_kernels.bf16_dot_min_rows == 6

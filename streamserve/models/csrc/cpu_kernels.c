@@ -255,11 +255,16 @@ static inline __m512 bf16_rows_in_order(__m512 v) {
 #define BCAST_F32(p) _mm512_set1_ps(*(p))
 #define FMADD512(c, b, w) _mm512_fmadd_ps(b, w, c)
 
-#ifndef BF16_DOT
-DEFINE_PACKED_GEMM512(gemm_packed_bf16, uint16_t, float, panel512_bf16, BCAST_F32, FMADD512, 1, bf16_rows_in_order)
-#endif
+/* (gemm_packed_bf16 below: with AVX512-BF16 it takes the larger steps' GEMMs itself) */
+DEFINE_PACKED_GEMM512(gemm_packed_bf16_f32x, uint16_t, float, panel512_bf16, BCAST_F32, FMADD512, 1,
+                      bf16_rows_in_order)
 DEFINE_PACKED_GEMM512(gemm_packed_f16, uint16_t, float, panel512_f16, BCAST_F32, FMADD512, 1, IN_ORDER)
 DEFINE_PACKED_GEMM512(gemm_packed_f32, float, float, panel512_f32, BCAST_F32, FMADD512, 1, IN_ORDER)
+#ifndef BF16_DOT
+void gemm_packed_bf16(const float *x, const uint16_t *w, float *y, long M, long N, long K) {
+    gemm_packed_bf16_f32x(x, w, y, M, N, K);
+}
+#endif
 #endif
 
 #ifdef BF16_DOT
@@ -290,8 +295,6 @@ static inline __m512 panel512_bf16_pairs(const uint16_t *p) { return pair_halves
 #define BCAST_BF16_PAIR(p) _mm512_castsi512_ps(_mm512_set1_epi32(*(const int32_t *)(p)))
 #define DPBF16(c, b, w) _mm512_dpbf16_ps(c, (__m512bh)(w), (__m512bh)(b))
 
-DEFINE_PACKED_GEMM512(gemm_packed_bf16_f32x, uint16_t, float, panel512_bf16, BCAST_F32, FMADD512, 1,
-                      bf16_rows_in_order)
 DEFINE_PACKED_GEMM512(gemm_packed_bf16_dot, uint16_t, uint16_t, panel512_bf16_pairs, BCAST_BF16_PAIR, DPBF16, 2,
                       bf16_rows_in_order)
 
