@@ -71,9 +71,9 @@ def main() -> None:
     quant = []
     if args.quant:
         kinds = [args.quant] * (len(half) - 1) + ["q8_0"]
-        quant = [(kernels.quant_gemv[kind], QuantizedWeight.random(kind, *w.shape, gen).blocks)
+        quant = [(kernels.quant_gemv[kind], cpu_kernels.pack_quantized(QuantizedWeight.random(kind, *w.shape, gen)))
                  for kind, w in zip(kinds, full)]
-        print(f"GGUF blocks: {sum(b.numel() for _, b in quant) / 1e6:.0f} MB")
+        print(f"GGUF blocks: {sum(p.rows.numel() for _, p in quant) / 1e6:.0f} MB")
     print(f"{len(half)} weights, {weight_bytes / 1e6:.0f} MB in {args.dtype}, {torch.get_num_threads()} threads, "
           f"{kernels.vector_bits}-bit kernel vectors"
           + (f", bfloat16 dot products from {kernels.bf16_dot_min_rows} rows" if kernels.bf16_dot_min_rows else ""))

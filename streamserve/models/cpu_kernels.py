@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from streamserve.models.quantized import BLOCKS
+from streamserve.models.quantized import BLOCKS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,67 @@ def pack_weight(w: torch.Tensor) -> PackedWeight:
 def packed_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the weight `w` packs, as float32 [len(ids), K] (an embedding lookup)."""
     return w.panels[ids // PANEL, :, _places(ids % PANEL, w.dtype)].float()
+
+
+class PackedQuant(NamedTuple):
+    """A QuantizedWeight's blocks as the quantized GEMV reads them (pack_quantized): uint8 `rows`
+    [N, bytes a row], each row its blocks regrouped eight at a time."""
+
+    kind: str
+    rows: torch.Tensor
+    in_features: int
+
+
+# Where a block of 32 keeps its float16 scales (d, and Q4_1's m) and its weights, per type
+# (Q4_K's super-blocks keep their own 16 bytes of scales: pack_quantized).
+_SCALES = {"q4_0": [slice(0, 2)], "q4_1": [slice(0, 2), slice(2, 4)], "q8_0": [slice(0, 2)]}
+_WEIGHTS = {"q4_0": slice(2, 18), "q4_1": slice(4, 20), "q8_0": slice(2, 34)}
+GROUP = 8  # blocks of 32 a group (csrc: QGROUP)
+
+
+def _pairs(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Two blocks' bytes [..., B] as the GEMV reads a pair: in chunks of 8 bytes, one of each in
+    turn (widened to int16, each 16 fill a vector whose low half is the first block's)."""
+    return torch.stack([first.unflatten(-1, (-1, 8)), second.unflatten(-1, (-1, 8))], -2).flatten(-3)
+
+
+def _group(scales: list[torch.Tensor], qs: torch.Tensor) -> torch.Tensor:
+    """Groups of n blocks [rows, groups, n, ...] as the GEMV reads them: a header of 8 float16
+    lanes per scale (block j < n / 2 in lane j, block n / 2 + j in lane 4 + j, zeros in the
+    others), then the blocks' weights in pairs j, n / 2 + j (_pairs)."""
+    rows, groups, n = qs.shape[:3]
+    h = n // 2
+    lanes = [j if j < h else 4 + j - h for j in range(n)]
+    header = torch.zeros(rows, groups, len(scales), GROUP, 2, dtype=torch.uint8)
+    for i, scale in enumerate(scales):
+        header[:, :, i, lanes] = scale
+    return torch.cat([header.flatten(2), _pairs(qs[:, :, :h], qs[:, :, h:]).flatten(2)], 2)
+
+
+def pack_quantized(weight: QuantizedWeight) -> PackedQuant:
+    """GGUF's blocks regrouped for the quantized GEMV (csrc/cpu_kernels.c: "GGUF's quantized
+    blocks"): per row, groups of 8 blocks of 32 weights, the row's block count padded to an even
+    one with a zero block and its last group holding what is left. Q4_K's super-block of 256 is
+    such a group: its 16 bytes of scales, then its 8 sub-blocks as 4-bit blocks of 32 (GGUF packs
+    sub-blocks 2j and 2j + 1 into the low and high nibbles of the same 32 bytes)."""
+    (rows, cols), size = weight.shape, BLOCKS[weight.kind][1]
+    blocks = weight.blocks.view(rows, -1, size)
+    if weight.kind == "q4_k":
+        qs = blocks[:, :, 16:].reshape(rows, -1, 4, 1, 32)
+        subs = torch.cat([qs & 15, qs >> 4], 3).reshape(rows, -1, 8, 32)  # sub-block s, weights 0-31
+        nibbles = subs[..., :16] | (subs[..., 16:] << 4)
+        packed = torch.cat([blocks[:, :, :16], _pairs(nibbles[:, :, :4], nibbles[:, :, 4:]).flatten(2)], 2)
+        return PackedQuant(weight.kind, packed.reshape(rows, -1).contiguous(), cols)
+    if blocks.shape[1] % 2:
+        blocks = torch.cat([blocks, torch.zeros(rows, 1, size, dtype=torch.uint8)], 1)
+    full = blocks.shape[1] // GROUP * GROUP
+    parts = []
+    for part, n in ((blocks[:, :full], GROUP), (blocks[:, full:], blocks.shape[1] - full)):
+        if n:
+            part = part.reshape(rows, -1, n, size)
+            parts.append(_group([part[..., s] for s in _SCALES[weight.kind]], part[..., _WEIGHTS[weight.kind]])
+                         .reshape(rows, -1))
+    return PackedQuant(weight.kind, torch.cat(parts, 1).contiguous(), cols)
 
 
 def _usable() -> Optional[str]:
@@ -142,11 +203,13 @@ class CpuKernels:
             fn.restype = None
             self.gemm[dtype] = _wrap_gemm(fn, dtype)
         self.quant_gemv: dict[str, Gemv] = {}
+        row_bytes = lib.cpu_kernels_quant_row_bytes
+        row_bytes.argtypes, row_bytes.restype = [ctypes.c_long] * 2, ctypes.c_long
         for kind in BLOCKS:
             fn = getattr(lib, f"gemv_{kind}")
             fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
             fn.restype = ctypes.c_int
-            self.quant_gemv[kind] = _wrap_quant_gemv(fn, *BLOCKS[kind])
+            self.quant_gemv[kind] = _wrap_quant_gemv(fn, kind, lambda k, t=_QUANT_KINDS[kind]: row_bytes(t, k))
         self._norm = lib.rms_norm_f32
         self._norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
         self._norm.restype = None
@@ -284,17 +347,19 @@ def _wrap_gemm(fn, dtype: torch.dtype):
     return gemm
 
 
-def _wrap_quant_gemv(fn, block_weights: int, block_bytes: int) -> Gemv:
-    def gemv(x: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def _wrap_quant_gemv(fn, kind: str, row_bytes: Callable[[int], int]) -> Gemv:
+    block_weights = BLOCKS[kind][0]
+
+    def gemv(x: torch.Tensor, w: PackedQuant) -> torch.Tensor:
         x = x.contiguous()
-        (m, k), n = x.shape, blocks.shape[0]
-        if (x.dtype != torch.float32 or k % block_weights or blocks.dtype != torch.uint8
-                or not blocks.is_contiguous() or blocks.shape[1] != k // block_weights * block_bytes):
+        (m, k), n = x.shape, w.rows.shape[0]
+        if (x.dtype != torch.float32 or k % block_weights or w.kind != kind or w.in_features != k
+                or w.rows.dtype != torch.uint8 or not w.rows.is_contiguous() or w.rows.shape[1] != row_bytes(k)):
             raise ValueError(f"the quantized GEMV takes float32 x [M, K] (K a multiple of {block_weights}) and "
-                             f"contiguous uint8 blocks [N, K / {block_weights} * {block_bytes}]; got x {x.dtype} "
-                             f"{tuple(x.shape)}, blocks {blocks.dtype} {tuple(blocks.shape)}")
+                             f"{kind} rows of K weights packed by pack_quantized; got x {x.dtype} {tuple(x.shape)}, "
+                             f"{w.kind} rows {w.rows.dtype} {tuple(w.rows.shape)} of {w.in_features} weights")
         y = torch.empty(m, n)
-        if fn(x.data_ptr(), blocks.data_ptr(), y.data_ptr(), m, n, k):
+        if fn(x.data_ptr(), w.rows.data_ptr(), y.data_ptr(), m, n, k):
             raise MemoryError("the quantized GEMV found no memory for its int16 activations")
         return y
     return gemv
@@ -363,7 +428,7 @@ class StepForward:
         def weights(linear):
             pair = (_Weight * 2)((ptr(linear.packed.panels), _WEIGHT_DTYPES[linear.packed.dtype]), (None, 0))
             if linear.quantized is not None:
-                pair[1] = _Weight(ptr(linear.quantized.blocks), _QUANT_KINDS[linear.quantized.kind])
+                pair[1] = _Weight(ptr(linear.quantized.rows), _QUANT_KINDS[linear.quantized.kind])
             return pair
 
         layers = (_StepLayer * arch.num_layers)()

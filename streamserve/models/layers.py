@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamserve.models.cpu_kernels import pack_weight, packed_rows
+from streamserve.models.cpu_kernels import pack_quantized, pack_weight, packed_rows
 from streamserve.models.quantized import BLOCKS
 
 
@@ -66,8 +66,8 @@ class Linear(nn.Module):
         self.packed = None  # models.cpu_kernels.PackedWeight
         self.gemm: Optional[Callable] = None
         self.packed_max_rows = 0
-        self.quantized = None  # models.quantized.QuantizedWeight
-        self.quant_gemv: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+        self.quantized = None  # models.cpu_kernels.PackedQuant
+        self.quant_gemv: Optional[Callable] = None
         self.quant_max_rows = 0
 
     def keep_copies(self, dtype: torch.dtype, gemm=None, packed_max_rows: int = 0, row_major: bool = True,
@@ -84,20 +84,21 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def keep_quantized(self, weight, gemv, max_rows: int) -> None:
-        """Read `weight` (a QuantizedWeight of this layer's shape) with `gemv(x, blocks)` for
-        low-precision inputs of at most `max_rows` rows."""
+        """Read `weight` (a QuantizedWeight of this layer's shape), packed for `gemv(x, packed)`
+        (cpu_kernels: pack_quantized, CpuKernels.quant_gemv), for low-precision inputs of at most
+        `max_rows` rows."""
         blocks, (_, block_bytes) = weight.blocks, BLOCKS[weight.kind]
         if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous()
                 or blocks.shape[1] % block_bytes or weight.shape != (self.out_features, self.in_features)):
             raise ValueError(f"{weight.kind} blocks {blocks.dtype} {tuple(blocks.shape)} do not hold a "
                              f"{(self.out_features, self.in_features)} layer's weight")
-        self.quantized, self.quant_gemv, self.quant_max_rows = weight, gemv, max_rows
+        self.quantized, self.quant_gemv, self.quant_max_rows = pack_quantized(weight), gemv, max_rows
 
     def forward(self, x: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
         if low_precision:
             rows, w = x.shape[0], self.low_precision_weight
             if self.quantized is not None and rows <= self.quant_max_rows and x.dtype == torch.float32:
-                out = self.quant_gemv(x, self.quantized.blocks)
+                out = self.quant_gemv(x, self.quantized)
             elif self.packed is not None and rows <= self.packed_max_rows and x.dtype == torch.float32:
                 out = self.gemm(x, self.packed)
             elif w is not None:

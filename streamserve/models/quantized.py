@@ -5,8 +5,9 @@ weights dequantized; that is what transformers reads and what most steps compute
 But a step of a token or two is bound by reading the weights, and GGUF's blocks are 2-3.5x
 smaller than even bfloat16 copies: the conversion also keeps the Q4_0, Q4_1, Q8_0 and
 Q4_K matrices' blocks as they are (BLOCKS_FILE, beside the weights; other types have only the
-dequantized path), and for those steps the CPU kernels read them: the weights' exact
-values, against activations rounded to int16 per block of 32 (csrc/cpu_kernels.c).
+dequantized path), and for those steps the CPU kernels read them, regrouped eight blocks at a
+time at load (cpu_kernels.pack_quantized): the weights' exact values, against activations
+rounded to int16 per block of 32 (csrc/cpu_kernels.c).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Optional
 
 import torch
 
-# GGUF block type -> (weights, bytes) a block (the kernels read GGUF's own layout)
+# GGUF block type -> (weights, bytes) a block
 BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_k": (256, 144)}
 # where each type's blocks keep their float16 scales (d, and Q4_1's m or Q4_K's dmin)
 _SCALE_OFFSETS = {"q4_0": [0], "q4_1": [0, 2], "q8_0": [0], "q4_k": [0, 2]}

@@ -41,11 +41,12 @@ LOW_PRECISION_MAX_TOKENS = 16
 C_STEP_MAX_TOKENS = 256
 # Steps of at most this many tokens read a GGUF model's quantized blocks (models/quantized.py),
 # where it has them: the quantized GEMV reads 2-3.5x fewer bytes than the other copies but
-# spends more arithmetic per weight. On an AVX2 machine (scripts/bench_gemv.py --quant q4_1)
-# it is 1.55x the packed bfloat16 GEMM at one token, 1.1x at two, 0.87x at three; and 2.5x the
-# packed float32 GEMM at one token, 1.37x at four, even at six, 0.86x at eight.
-QUANT_MAX_TOKENS = 2  # where the layers keep half-size copies
-QUANT_MAX_TOKENS_FLOAT32 = 6  # where they read float32 weights (a float32 checkpoint)
+# spends more arithmetic per weight. On a 2-core AVX2 machine (Zen 3, 2026-12-01, against the
+# packed GEMM over the same weights in one process) Q4_1 / Q4_0 are 2.4x / 1.8x the bfloat16
+# GEMM at one token, 1.25x at four, 0.9-1.0x at eight; Q8_0 and Q4_K (Llama-3.2-1B's shapes)
+# 1.3-1.4x at four. Against float32 weights they are 1.5-1.7x at eight.
+QUANT_MAX_TOKENS = 4  # where the layers keep half-size copies
+QUANT_MAX_TOKENS_FLOAT32 = 8  # where they read float32 weights (a float32 checkpoint)
 # The most KV splits a decode sequence gets in the Triton split-KV kernel (its workspace size).
 MAX_DECODE_SPLITS = 16
 # Prompt logprobs take the head over this many prompt rows at a time: a 2048-token chunk at

@@ -126,16 +126,23 @@ def quantized(kind: str, n: int, k: int, seed: int) -> QuantizedWeight:
     return QuantizedWeight.random(kind, n, k, torch.Generator().manual_seed(seed))
 
 
+# rows of w in threes, and 1 or 2 left; rows of whole groups of 8 blocks of 32 (Q4_K's only kind),
+# and groups of 8 then 1 (padded with a zero block: 288), 4 (384), 5 (416) or 6 (448) blocks, or
+# only 1 (32) or 5 (160)
+QUANT_SHAPES = [(kind, n, k) for kind in BLOCKS
+                for n, k in [(37, 512), (6, 256), (5, 768), (4, 288), (4, 384), (7, 416), (2, 448), (5, 32), (3, 160)]
+                if k % BLOCKS[kind][0] == 0]
+
+
 @needs_kernel
-@pytest.mark.parametrize("kind", list(BLOCKS))
+@pytest.mark.parametrize("kind,n,k", QUANT_SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])  # tiles of 4 vectors, and what is left
-@pytest.mark.parametrize("n,k", [(37, 512), (6, 256), (5, 768)])  # rows in threes, and 1 or 2 left
 def test_quantized_kernel_matches_the_dequantized_weight(kind, m, n, k):
     weight = quantized(kind, n, k, seed=m * 1000 + n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     x[0, :32] = 0.0  # a block of zeros (its int16 scale is 0)
     x[-1, 5] = 1e4  # an outlier: its block loses precision, no other does
-    y = kernels.quant_gemv[kind](x, weight.blocks)
+    y = kernels.quant_gemv[kind](x, cpu_kernels.pack_quantized(weight))
     w = weight.dequantize().double()
     ref = x.double() @ w.t()
     # The kernel's only error besides float32 rounding: each block of x as int16 times its scale,
@@ -148,30 +155,51 @@ def test_quantized_kernel_matches_the_dequantized_weight(kind, m, n, k):
 
 @needs_kernel
 @pytest.mark.parametrize("kind", list(BLOCKS))
+def test_packed_quantized_rows_hold_the_blocks_bytes(kind):
+    """pack_quantized's rows are as long as the C side reads (cpu_kernels_quant_row_bytes): a
+    whole group as many bytes as GGUF's blocks, a row's last group a header and its pairs."""
+    weights, size = BLOCKS[kind]
+    for k in ((256, 512, 2048) if kind == "q4_k" else (32, 64, 160, 256, 288, 576, 1536)):
+        packed = cpu_kernels.pack_quantized(quantized(kind, 3, k, seed=k))
+        blocks = -(-(k // 32) // 2) * 2  # padded to an even count
+        tail = blocks % 8
+        header = 32 if kind == "q4_1" else 16
+        pair = 64 if kind == "q8_0" else 32
+        expect = blocks // 8 * (header + 4 * pair) + (header + tail // 2 * pair if tail else 0)
+        assert packed.rows.shape == (3, expect) and packed.in_features == k, k
+        if kind == "q4_k" or k % 256 == 0:
+            assert expect == k // weights * size
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", list(BLOCKS))
 def test_quantized_kernel_keeps_tiny_blocks_and_propagates_nan(kind):
     """A block of activations near 1e-36 keeps its values (32767 / its largest overflowed to
     inf, and every value became -32768: the sign flipped); a NaN or inf activation makes the
     outputs it reaches NaN (they came out finite, from saturated int16s)."""
     weight = quantized(kind, 3, 256, seed=1)
+    packed = cpu_kernels.pack_quantized(weight)
     w = weight.dequantize().double()
     x = torch.rand(2, 256, generator=torch.Generator().manual_seed(2)) * 1e-36
     ref = x.double() @ w.t()
-    y = kernels.quant_gemv[kind](x, weight.blocks).double()
+    y = kernels.quant_gemv[kind](x, packed).double()
     assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-2
     x = torch.randn(3, 256)
     x[0, 3], x[1, 40] = float("nan"), float("inf")
-    y = kernels.quant_gemv[kind](x, weight.blocks)
+    y = kernels.quant_gemv[kind](x, packed)
     assert y[:2].isnan().all() and y[2].isfinite().all()
 
 
 @needs_kernel
 def test_quantized_kernel_refuses_what_it_cannot_read():
-    weight = quantized("q4_1", 4, 64, seed=0)
+    packed = cpu_kernels.pack_quantized(quantized("q4_1", 4, 64, seed=0))
     gemv = kernels.quant_gemv["q4_1"]
-    for x, blocks in ((torch.randn(2, 48), weight.blocks), (torch.randn(2, 64), weight.blocks[:, :-1]),
-                      (torch.randn(2, 64).double(), weight.blocks), (torch.randn(2, 64), weight.blocks.float())):
+    for x, w in ((torch.randn(2, 48), packed), (torch.randn(2, 64), packed._replace(rows=packed.rows[:, :-1])),
+                 (torch.randn(2, 64).double(), packed), (torch.randn(2, 64), packed._replace(rows=packed.rows.float())),
+                 (torch.randn(2, 64), packed._replace(kind="q4_0")),
+                 (torch.randn(2, 96), packed._replace(in_features=96))):
         with pytest.raises(ValueError, match="quantized GEMV takes"):
-            gemv(x, blocks)
+            gemv(x, w)
 
 
 @needs_kernel
