@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from streamserve.models.quantized import BLOCKS, QuantizedWeight
+from streamserve.models.quantized import BLOCKS, SCALE_OFFSETS, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +86,6 @@ class PackedQuant(NamedTuple):
     in_features: int
 
 
-# Where a block of 32 keeps its float16 scales (d, and Q4_1's m) and its weights, per type
-# (Q4_K's super-blocks keep their own 16 bytes of scales: pack_quantized).
-_SCALES = {"q4_0": [slice(0, 2)], "q4_1": [slice(0, 2), slice(2, 4)], "q8_0": [slice(0, 2)]}
-_WEIGHTS = {"q4_0": slice(2, 18), "q4_1": slice(4, 20), "q8_0": slice(2, 34)}
 GROUP = 8  # blocks of 32 a group (csrc: QGROUP)
 
 
@@ -133,8 +129,9 @@ def pack_quantized(weight: QuantizedWeight) -> PackedQuant:
     for part, n in ((blocks[:, :full], GROUP), (blocks[:, full:], blocks.shape[1] - full)):
         if n:
             part = part.reshape(rows, -1, n, size)
-            parts.append(_group([part[..., s] for s in _SCALES[weight.kind]], part[..., _WEIGHTS[weight.kind]])
-                         .reshape(rows, -1))
+            offsets = SCALE_OFFSETS[weight.kind]
+            scales = [part[..., at:at + 2] for at in offsets]
+            parts.append(_group(scales, part[..., 2 * len(offsets):]).reshape(rows, -1))
     return PackedQuant(weight.kind, torch.cat(parts, 1).contiguous(), cols)
 
 

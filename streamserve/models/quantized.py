@@ -21,8 +21,9 @@ import torch
 
 # GGUF block type -> (weights, bytes) a block
 BLOCKS = {"q4_0": (32, 18), "q4_1": (32, 20), "q8_0": (32, 34), "q4_k": (256, 144)}
-# where each type's blocks keep their float16 scales (d, and Q4_1's m or Q4_K's dmin)
-_SCALE_OFFSETS = {"q4_0": [0], "q4_1": [0, 2], "q8_0": [0], "q4_k": [0, 2]}
+# where each type's blocks keep their float16 scales (d, and Q4_1's m or Q4_K's dmin); the
+# 32-weight types' weights follow them
+SCALE_OFFSETS = {"q4_0": [0], "q4_1": [0, 2], "q8_0": [0], "q4_k": [0, 2]}
 BLOCKS_FILE = "gguf-blocks.safetensors"
 
 
@@ -51,7 +52,7 @@ class QuantizedWeight:
         """Random blocks (for tests and benchmarks): any bytes, but float16 scales of +-0.001 to 0.1."""
         weights, size = BLOCKS[kind]
         blocks = torch.randint(0, 256, (rows, cols // weights, size), dtype=torch.uint8, generator=generator)
-        for offset in _SCALE_OFFSETS[kind]:
+        for offset in SCALE_OFFSETS[kind]:
             scale = torch.empty(rows, cols // weights).uniform_(0.001, 0.1, generator=generator)
             scale *= torch.randint(0, 2, scale.shape, generator=generator) * 2 - 1
             blocks[:, :, offset:offset + 2] = scale.half().view(torch.uint8).reshape(rows, cols // weights, 2)
