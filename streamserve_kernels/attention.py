@@ -310,7 +310,7 @@ def _decode_reduce_kernel(
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, num_splits: int,
                            workspace: Optional[DecodeWorkspace] = None, out: Optional[torch.Tensor] = None,
-                           tile_n: Optional[int] = None) -> torch.Tensor:
+                           tile_n: Optional[int] = None, num_warps: int = 4) -> torch.Tensor:
     """Decode attention, one query token per sequence: q [B, Hq, D] (row i is sequence i),
     seq_lens [B], block_tables [B, max_blocks]; returns out [B, Hq, D].
 
@@ -318,6 +318,8 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
     with log-sum-exp by a second kernel through `workspace`. With `workspace` and `out` given
     the call allocates nothing and launches a grid fixed by (B, Hkv, num_splits): safe to
     capture in a CUDA graph. num_splits == 1 writes `out` directly, without the workspace.
+    `num_warps` (and `tile_n`, the keys a program takes at once) are the split kernel's launch
+    settings, there to be tuned (scripts/gpu_check.py times a few).
     """
     _check_layouts(q, kv_cache, block_tables)
     num_seqs, num_heads, head_dim = q.shape
@@ -346,7 +348,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         TILE_N=tile_n or _tile_n(block_size), SPLIT=split,
-        PRECISION=_precision(q), UPCAST=q.device.type == "cpu", num_warps=4)
+        PRECISION=_precision(q), UPCAST=q.device.type == "cpu", num_warps=num_warps)
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part, lse, num_splits,
