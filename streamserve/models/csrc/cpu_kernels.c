@@ -337,7 +337,7 @@ int cpu_kernels_bf16_dot_min_rows(void) {
 
 /* y = x @ w.T over rows [n, n + NR) of w for all M vectors: four at a time, then the rest.
  * X: what the tiles read the vectors from (XT; XAT(x, m0, K): from vector m0 on); STRIDE(K):
- * how many T a row of w takes (K elements, or K / 32 blocks). */
+ * how many T a row of w takes (the bytes of a row of regrouped blocks: quant_row_bytes). */
 #define DEFINE_ROWS(NAME, XT, XAT, T, TILE, STRIDE)                                               \
     static inline __attribute__((always_inline)) void NAME(                                       \
         XT x, const T *wr, float *y, long M, long N, long K, long n, const int NR) {              \
