@@ -36,7 +36,7 @@ def measure(model: str, backend: str, batch: int, context: int, steps: int) -> d
 
     llm = LLM(model, dtype="float32", load_format="dummy", kernel_backend=backend, max_num_seqs=batch,
               max_model_len=context + steps + 64, max_num_batched_tokens=max(8192, context + 64),
-              kv_cache_memory="16GiB")  # calloc'd: untouched pages cost nothing
+              kv_cache_memory="16GiB")  # mapped lazily: untouched pages cost nothing
     core, processor = llm.engine_core, llm.output_processor
     sched, runner = core.scheduler, core.model_runner
     params = SamplingParams(temperature=0, max_tokens=steps + 32, ignore_eos=True)

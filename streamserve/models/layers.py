@@ -94,6 +94,16 @@ class Linear(nn.Module):
                              f"{(self.out_features, self.in_features)} layer's weight")
         self.quantized, self.quant_gemv, self.quant_max_rows = pack_quantized(weight), gemv, max_rows
 
+    def replace_copies(self, replace: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Put `replace(t)` (the same values, held elsewhere) in place of each copy t it keeps:
+        packed, quantized, row-major, in that order."""
+        if self.packed is not None:
+            self.packed = self.packed._replace(panels=replace(self.packed.panels))
+        if self.quantized is not None:
+            self.quantized = self.quantized._replace(rows=replace(self.quantized.rows))
+        if self.low_precision_weight is not None:
+            self.low_precision_weight = replace(self.low_precision_weight)
+
     def forward(self, x: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
         if low_precision:
             rows, w = x.shape[0], self.low_precision_weight

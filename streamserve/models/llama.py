@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -195,6 +195,22 @@ class LlamaForCausalLM(nn.Module):
         if drop_full and self.arch.tie_word_embeddings and self.lm_head.packed is not None:
             self.embed_tokens = PackedEmbedding(self.lm_head.packed)
             self.lm_head.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def move_copies(self, place: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
+        """Hand the copies every linear layer keeps (Linear.replace_copies), layer by layer in
+        the order a step reads them, to `place`, which returns them held elsewhere
+        (cpu_kernels.onto_huge_pages), and keep those instead."""
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        kept: list[torch.Tensor] = []
+        for module in linears:
+            module.replace_copies(lambda t: kept.append(t) or t)
+        if not kept:
+            return
+        placed = iter(place(kept))
+        for module in linears:
+            module.replace_copies(lambda t: next(placed))
+        if isinstance(self.embed_tokens, PackedEmbedding):
+            self.embed_tokens.packed = self.lm_head.packed
 
     def keep_quantized(self, weights: dict, gemvs: dict, max_rows: int) -> list[str]:
         """Give each linear layer whose checkpoint tensors are all in `weights` (Hugging Face

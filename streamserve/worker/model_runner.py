@@ -9,6 +9,7 @@ step: a chunk that leaves part of its prompt unread samples nothing.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -155,6 +156,9 @@ class ModelRunner:
         self.quant_max_tokens = QUANT_MAX_TOKENS if low_precision is not None else QUANT_MAX_TOKENS_FLOAT32
         if self.c_kernels is not None:
             self._keep_quantized(config.model.model)
+        if self.device.type == "cpu":
+            self.model.move_copies(cpu_kernels.onto_huge_pages)
+            cpu_kernels.release_freed_memory()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.triton = config.device.kernel_backend == "triton"
         self.workspace = None
@@ -285,16 +289,16 @@ class ModelRunner:
         return peak
 
     def _zeros(self, shape: tuple[int, ...], first_blocks: int) -> torch.Tensor:
-        """A zeroed KV tensor (of kv_dtype). On the CPU it comes from calloc (numpy), so the OS hands out
-        zero pages as they are first touched: a large cache costs nothing at start-up and
-        holds only as much RAM as it has used. (Zeros matter: a masked slot must not hold NaN.)
-        Its `first_blocks` blocks are written now: the OS zero-fills a page at its first write
-        (2 MB at once, where numpy asks for huge pages), which on the default model's 60 caches
-        (2026-12-01, 4.3 GB in all) cost the first request's first step ~130 ms."""
+        """A zeroed KV tensor (of kv_dtype). On the CPU it comes from an anonymous mapping
+        (cpu_kernels.huge_pages), so the OS hands out zero pages as they are first touched: a
+        large cache costs nothing at start-up and holds only as much RAM as it has used. (Zeros
+        matter: a masked slot must not hold NaN.) Its `first_blocks` blocks are written now: the
+        OS zero-fills a page at its first write (2 MB at once on huge pages), which on the
+        default model's 60 caches (2026-12-01, 4.3 GB in all) cost the first request's first
+        step ~130 ms."""
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        same_size = {2: np.uint16, 4: np.float32, 8: np.float64}
-        kv = torch.from_numpy(np.zeros(shape, dtype=same_size[self.kv_dtype.itemsize])).view(self.kv_dtype)
+        kv = cpu_kernels.huge_pages(math.prod(shape) * self.kv_dtype.itemsize).view(self.kv_dtype).view(shape)
         kv[:, :first_blocks].zero_()
         return kv
 
