@@ -11,8 +11,9 @@ own with the flags cpu_kernels.py uses; every variant must have the current kern
 `gemv`, every linear weight of a SmolLM2-shaped model (30 layers of fused QKV, O, gate/up and
 down, and the head) through the quantized GEMV (`--quant`: the layers in that type, the head in
 Q8_0, as the default model stores them) or the packed GEMM (`--dtype`); `attention`, the decode
-attention of 30 layers' float16 caches (9 query heads on 3 KV heads of 64, blocks of 16), so
-that the step reads its K and V from memory. Prints each variant's best and median seconds and
+attention of 30 layers' float16 (or `--kv-dtype float32`) caches (9 query heads on 3 KV heads
+of 64, blocks of 16, each sequence's in order unless `--scattered`), so that the step reads its
+K and V from memory. Prints each variant's best and median seconds and
 its median's ratio to the first's. The times include the Python wrappers' cost per call (tens of
 microseconds, the same for every variant, so ratios come out a little smaller than the kernels').
 Give the same variant twice to see this machine's noise (an A/A pair within a few percent says
@@ -78,13 +79,15 @@ def gemv_workload(args, gen: torch.Generator):
 
 def attention_workload(args, gen: torch.Generator):
     blocks = -(-args.context // BS)
-    # zeroed by numpy, as the runner's caches are (huge pages where the OS gives them), then filled
-    caches = []
+    # on huge pages, as the runner's caches are (cpu_kernels.huge_pages), then filled
+    caches, dtype = [], getattr(torch, args.kv_dtype)
     for _ in range(LAYERS):
-        cache = torch.from_numpy(np.zeros((2, args.batch * blocks, BS, HKV, D), np.float16))
+        shape = (2, args.batch * blocks, BS, HKV, D)
+        cache = cpu_kernels.huge_pages(dtype.itemsize * int(np.prod(shape))).view(dtype).view(shape)
         cache.copy_(torch.randn(cache.shape, generator=gen) * 0.3)
         caches.append(cache)
-    tables = torch.arange(args.batch * blocks, dtype=torch.int64).view(args.batch, blocks)
+    order = torch.randperm(args.batch * blocks, generator=gen) if args.scattered else torch.arange(args.batch * blocks)
+    tables = order.view(args.batch, blocks)
     lens = torch.full((args.batch,), args.context, dtype=torch.int64)
     q = torch.randn(args.batch, HQ, D, generator=gen)
     size = sum(c.numel() * c.element_size() for c in caches) * args.context / (blocks * BS)
@@ -101,6 +104,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1, help="gemv: tokens in the step")
     parser.add_argument("--batch", type=int, default=1, help="attention: sequences")
     parser.add_argument("--context", type=int, default=2048, help="attention: keys each sequence reads")
+    parser.add_argument("--kv-dtype", choices=["float16", "float32"], default="float16", help="attention: the caches'")
+    parser.add_argument("--scattered", action="store_true",
+                        help="attention: the blocks in random order (else each sequence's in order, as a prompt's)")
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
     if args.dtype:
@@ -116,7 +122,8 @@ def main() -> None:
                 run(kernels)
                 times[i].append(time.perf_counter() - start)
     what = (f"{args.kernel}: {args.quant or args.dtype}, {args.rows} rows" if args.kernel == "gemv"
-            else f"attention: batch {args.batch}, context {args.context}")
+            else f"attention: batch {args.batch}, context {args.context}, {args.kv_dtype} KV"
+            f"{', scattered blocks' if args.scattered else ''}")
     print(f"{what}, {size / 1e6:.0f} MB read a pass, {torch.get_num_threads()} threads, {args.rounds} rounds")
     first = statistics.median(times[0][2:])
     for variant, t in zip(args.variant, times):

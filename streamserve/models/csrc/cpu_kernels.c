@@ -720,12 +720,12 @@ static inline __attribute__((always_inline)) float kv1(const void *p, long i, co
     return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-#define ATTN_TILE 64      /* keys scored before their softmax and values */
+#define ATTN_TILE 32      /* keys scored before their softmax and values (K and V rows: in L1) */
 #define ATTN_HEADS 3      /* query heads a tile routine takes at once: their accumulators fill the registers */
 #define ATTN_MAX_G 64     /* query heads per KV head */
 #define ATTN_MAX_Q 256    /* query heads */
 #define ATTN_MAX_QD 16384 /* query heads x head_dim: a task's accumulators, on the stack */
-#define ATTN_SPAN 128     /* keys a task reads for every KV head before it moves on */
+#define ATTN_AHEAD 4      /* keys ahead whose K rows are prefetched (the hardware's prefetchers do not keep up) */
 
 /* Head i's four accumulators A##i##0..3 += Y times the vectors x0..x3. */
 #define FMA4(A, i, Y)                                                                             \
@@ -822,34 +822,45 @@ static inline __attribute__((always_inline)) void weighted_rows(float *acc, cons
         }                                                                                         \
     }
 
-/* Online softmax of G query heads (q, rows D apart, already scaled) over keys [start, end) of
- * one sequence's KV head: m (running max), l (running sum), acc [G, D] (unnormalised output). */
+/* Online softmax of every query head (q [Hq, D], already scaled; query heads h*G .. h*G+G-1 read
+ * KV head h) over keys [start, end) of one sequence: m (running maxima), l (running sums), acc
+ * [Hq, D] (unnormalised outputs). A tile of keys is taken for every KV head before the next, so
+ * its cache rows (a token's heads side by side) are read whole and in order. */
 static inline __attribute__((always_inline)) void attend_keys(
-        const float *q, const void *k_cache, const void *v_cache, const int64_t *table, long kvh, long Hkv,
+        const float *q, const void *k_cache, const void *v_cache, const int64_t *table, long Hkv,
         long D, long bs, long G, long start, long end, float *m, float *l, float *acc, const int half) {
-    float s[ATTN_MAX_G * ATTN_TILE];
-    long rows[ATTN_TILE + 8];  /* the tile's K/V row offsets (elements), walked block by block: no division per key */
+    float s[ATTN_MAX_Q * ATTN_TILE];
+    long rows[ATTN_TILE + ATTN_AHEAD + 8];  /* row offsets (elements, head 0) of the tile's keys and those
+                                               ahead, walked block by block: no division per key */
     long blk = start / bs, off = start % bs;
-    const long elt = half ? 2 : 4;  /* bytes an element */
+    const long elt = half ? 2 : 4, row = Hkv * D, row_bytes = row * elt, GD = G * D;
     for (long t0 = start; t0 < end; t0 += ATTN_TILE) {
         const long n = end - t0 < ATTN_TILE ? end - t0 : ATTN_TILE;
-        for (long j = 0; j < n; j++) {
-            rows[j] = ((table[blk] * bs + off) * Hkv + kvh) * D;
-            if (++off == bs) off = 0, blk++;
+        {
+            long b = blk, o = off, j = 0;
+            for (; j < n + ATTN_AHEAD && t0 + j < end; j++) {
+                rows[j] = (table[b] * bs + o) * row;
+                if (++o == bs) o = 0, b++;
+                if (j == n - 1) blk = b, off = o;
+            }
+            for (; j < n + ATTN_AHEAD + 8; j++) rows[j] = rows[j - 1];  /* the last group of four reads a key again */
         }
-        for (long j = n; j < n + 8; j++) rows[j] = rows[n - 1];  /* the last group of four reads a key again */
         for (long j = 0; j < n; j += 4) {
-            /* the blocks are scattered: ask for the next four keys' K rows and these four's V rows */
+            /* ask for the whole K rows ATTN_AHEAD keys on and these four's V rows: without it, the
+             * kernel read the cache from memory at 0.65x the speed, even where its blocks lay in order */
             for (long a = 0; a < 4; a++)
-                for (long b = 0; b < D * elt; b += 64) {
-                    _mm_prefetch((const char *)k_cache + rows[j + 4 + a] * elt + b, _MM_HINT_T0);
+                for (long b = 0; b < row_bytes; b += 64) {
+                    _mm_prefetch((const char *)k_cache + rows[j + ATTN_AHEAD + a] * elt + b, _MM_HINT_T0);
                     _mm_prefetch((const char *)v_cache + rows[j + a] * elt + b, _MM_HINT_T0);
                 }
-#define SCORES(NG) scores_4keys(q + g * D, k_cache, rows + j, D, s + g * ATTN_TILE + j, NG, half)
-            FOR_HEAD_GROUPS(G, SCORES)
+            for (long h = 0; h < Hkv; h++) {
+                const char *kh = (const char *)k_cache + h * D * elt;
+#define SCORES(NG) scores_4keys(q + h * GD + g * D, kh, rows + j, D, s + (h * G + g) * ATTN_TILE + j, NG, half)
+                FOR_HEAD_GROUPS(G, SCORES)
 #undef SCORES
+            }
         }
-        for (long g = 0; g < G; g++) {
+        for (long g = 0; g < Hkv * G; g++) {
             float *sg = s + g * ATTN_TILE;
             /* a NaN score may be skipped here: exp_ps and expf keep it NaN, and so the sums */
             __m256 vtop = _mm256_set1_ps(m[g]);
@@ -873,53 +884,25 @@ static inline __attribute__((always_inline)) void attend_keys(
             if (alpha != 1.0f)
                 for (long d = 0; d < D; d++) acc[g * D + d] *= alpha;
         }
-#define VALUES(NG) weighted_rows(acc + g * D, s + g * ATTN_TILE, v_cache, rows, n, D, NG, half)
-        FOR_HEAD_GROUPS(G, VALUES)
+        for (long h = 0; h < Hkv; h++) {
+            const char *vh = (const char *)v_cache + h * D * elt;
+#define VALUES(NG) weighted_rows(acc + h * GD + g * D, s + (h * G + g) * ATTN_TILE, vh, rows, n, D, NG, half)
+            FOR_HEAD_GROUPS(G, VALUES)
 #undef VALUES
-    }
-}
-
-/* Ask for the K and V rows (all KV heads, row_bytes each) of keys [start, end) of a sequence
- * into L2: issued a span ahead, so the scattered blocks arrive while the span before is computed. */
-static void prefetch_keys(const void *k_cache, const void *v_cache, const int64_t *table, long row_bytes,
-                          long bs, long start, long end) {
-    for (long t = start; t < end; t++) {
-        const long offset = (table[t / bs] * bs + t % bs) * row_bytes;
-        const char *k = (const char *)k_cache + offset, *v = (const char *)v_cache + offset;
-        for (long b = 0; b < row_bytes; b += 64) {
-            _mm_prefetch(k + b, _MM_HINT_T1);
-            _mm_prefetch(v + b, _MM_HINT_T1);
         }
-    }
-}
-
-/* One task of paged_decode_attention: query row q (Hq heads of D, already scaled) over keys
- * [start, end) of the sequence with block table `table`, into mp, lp (Hq each) and acc [Hq, D]. */
-static inline __attribute__((always_inline)) void attend_span(
-        const float *q, const void *k_cache, const void *v_cache, const int64_t *table, long Hq, long Hkv,
-        long D, long bs, long start, long end, float *mp, float *lp, float *acc, const int half) {
-    const long G = Hq / Hkv, GD = G * D, row_bytes = Hkv * D * (half ? 2 : 4);
-    prefetch_keys(k_cache, v_cache, table, row_bytes, bs, start, start + ATTN_SPAN < end ? start + ATTN_SPAN : end);
-    for (long s0 = start; s0 < end; s0 += ATTN_SPAN) {
-        const long s1 = s0 + ATTN_SPAN < end ? s0 + ATTN_SPAN : end;
-        if (s1 < end)  /* the next span, while this one is computed */
-            prefetch_keys(k_cache, v_cache, table, row_bytes, bs, s1, s1 + ATTN_SPAN < end ? s1 + ATTN_SPAN : end);
-        for (long h = 0; h < Hkv; h++)
-            attend_keys(q + h * GD, k_cache, v_cache, table, h, Hkv, D, bs, G, s0, s1, mp + h * G, lp + h * G,
-                        acc + h * GD, half);
     }
 }
 
 static void attend_span_f32(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                             long Hq, long Hkv, long D, long bs, long start, long end, float *mp, float *lp,
                             float *acc) {
-    attend_span(q, k_cache, v_cache, table, Hq, Hkv, D, bs, start, end, mp, lp, acc, 0);
+    attend_keys(q, k_cache, v_cache, table, Hkv, D, bs, Hq / Hkv, start, end, mp, lp, acc, 0);
 }
 
 static void attend_span_f16(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                             long Hq, long Hkv, long D, long bs, long start, long end, float *mp, float *lp,
                             float *acc) {
-    attend_span(q, k_cache, v_cache, table, Hq, Hkv, D, bs, start, end, mp, lp, acc, 1);
+    attend_keys(q, k_cache, v_cache, table, Hkv, D, bs, Hq / Hkv, start, end, mp, lp, acc, 1);
 }
 
 /* Into how many chunks the keys of each of `tasks` tasks are split, so that every thread has
@@ -970,10 +953,11 @@ static void merge_chunks(const float *part, long chunks, long B, long Hq, long D
  * float32. Query heads h*G .. h*G+G-1 read KV head h.
  * A task is one sequence over a chunk of its keys, read in place from the blocks (no
  * gathered copy of the context) with an online softmax, each K and V row once for its
- * group of query heads. The task walks its keys in spans of ATTN_SPAN and takes every KV
- * head over a span before the next: a token's heads lie side by side in its cache row, so
- * the rows are read whole and in order (one task per KV head read a third of every row,
- * and the hardware fetched the rest for nothing). With few sequences the keys are split
+ * group of query heads. The task walks its keys in tiles of ATTN_TILE and takes every KV
+ * head over a tile before the next: a token's heads lie side by side in its cache row, so
+ * the rows are read whole and in order, and stay in L1 for the heads after the first (one
+ * task per KV head read a third of every row; then every KV head over spans of 128 keys in
+ * turn, from L2, 0.65-0.75x as fast as this from memory). With few sequences the keys are split
  * into chunks so every thread has work, and the chunks' partial results are merged by
  * their log-sum-exp (flash-decoding). A sequence of length 0 gets zeros.
  * Hq / Hkv <= ATTN_MAX_G, Hq <= ATTN_MAX_Q, Hq * D <= ATTN_MAX_QD.
