@@ -893,13 +893,13 @@ static inline __attribute__((always_inline)) void attend_keys(
     }
 }
 
-static void attend_span_f32(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
+static void attend_keys_f32(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                             long Hq, long Hkv, long D, long bs, long start, long end, float *mp, float *lp,
                             float *acc) {
     attend_keys(q, k_cache, v_cache, table, Hkv, D, bs, Hq / Hkv, start, end, mp, lp, acc, 0);
 }
 
-static void attend_span_f16(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
+static void attend_keys_f16(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                             long Hq, long Hkv, long D, long bs, long start, long end, float *mp, float *lp,
                             float *acc) {
     attend_keys(q, k_cache, v_cache, table, Hkv, D, bs, Hq / Hkv, start, end, mp, lp, acc, 1);
@@ -981,7 +981,7 @@ void paged_decode_attention(const float *q, long q_row_stride, const void *k_cac
             float mp[ATTN_MAX_Q], lp[ATTN_MAX_Q], acc[ATTN_MAX_QD], qs[ATTN_MAX_QD];
             for (long h = 0; h < Hq; h++) mp[h] = -INFINITY, lp[h] = 0.0f;
             for (long i = 0; i < QD; i++) acc[i] = 0.0f, qs[i] = q[b * q_row_stride + i] * scale;
-            (kv_half ? attend_span_f16 : attend_span_f32)(qs, k_cache, v_cache, tables + b * W, Hq, Hkv, D, bs,
+            (kv_half ? attend_keys_f16 : attend_keys_f32)(qs, k_cache, v_cache, tables + b * W, Hq, Hkv, D, bs,
                                                           start, end, mp, lp, acc);
             if (chunks == 1) {
                 float *o = out + b * QD;
