@@ -196,19 +196,25 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = PackedEmbedding(self.lm_head.packed)
             self.lm_head.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
-    def move_copies(self, place: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
-        """Hand the copies every linear layer keeps (Linear.replace_copies), layer by layer in
-        the order a step reads them, to `place`, which returns them held elsewhere
-        (cpu_kernels.onto_huge_pages), and keep those instead."""
-        linears = [module for module in self.modules() if isinstance(module, Linear)]
+    def copies(self) -> list[torch.Tensor]:
+        """The copies every linear layer keeps (Linear.replace_copies), layer by layer in the
+        order a step reads them."""
         kept: list[torch.Tensor] = []
-        for module in linears:
-            module.replace_copies(lambda t: kept.append(t) or t)
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.replace_copies(lambda t: kept.append(t) or t)
+        return kept
+
+    def move_copies(self, place: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
+        """Hand `copies()` to `place`, which returns them held elsewhere
+        (cpu_kernels.onto_huge_pages), and keep those instead."""
+        kept = self.copies()
         if not kept:
             return
         placed = iter(place(kept))
-        for module in linears:
-            module.replace_copies(lambda t: next(placed))
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.replace_copies(lambda t: next(placed))
         if isinstance(self.embed_tokens, PackedEmbedding):
             self.embed_tokens.packed = self.lm_head.packed
 

@@ -42,7 +42,6 @@ def test_cpu_kv_cache_holds_the_first_blocks_and_not_the_rest(llama_dir):
 HUGE_PAGES_SCRIPT = """
 import sys
 from streamserve import LLM
-from streamserve.models.layers import Linear
 
 def advised(address):
     # /proc/self/smaps: the mapping holding `address`, and whether its VmFlags have hg (MADV_HUGEPAGE)
@@ -58,10 +57,7 @@ def advised(address):
     raise AssertionError(f"no mapping holds {address:#x}")
 
 runner = LLM(sys.argv[1], kv_cache_memory="64MiB").engine_core.model_runner
-copies = []
-for module in runner.model.modules():
-    if isinstance(module, Linear):
-        module.replace_copies(lambda t: copies.append(t) or t)
+copies = runner.model.copies()
 print(len(copies), runner.c_kernels is not None)
 print(all(advised(t.data_ptr()) and advised(t.data_ptr() + t.nbytes - 1) for t in copies + runner.kv_caches))
 print(all(t.data_ptr() % 64 == 0 for t in copies), all(t.data_ptr() % (2 << 20) == 0 for t in runner.kv_caches))
