@@ -9,6 +9,7 @@ Without --prompt the command serves the OpenAI-compatible API over HTTP; with
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import typing
 from typing import Any, Optional
@@ -112,7 +113,7 @@ async def _serve(server: ServerConfig, model_name: str, make_config) -> int:
         print(f"streamserve: error: cannot listen on {server.host}:{server.port}: {exc.strerror or exc}",
               file=sys.stderr)
         return 2
-    engine = AsyncEngine(make_config)
+    engine = AsyncEngine(make_config, freeze_heap=True)  # this process serves it to the end
     runner = app_runner(engine, server, model_name)
     await runner.setup()
     try:
@@ -134,6 +135,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.prompt is None:
         return serve(args)
+    gc.enable()  # __main__ turned it off for a server's start-up (heap.py); LLM pauses it for its load
     from streamserve import LLM, SamplingParams
 
     try:

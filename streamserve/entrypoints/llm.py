@@ -19,16 +19,18 @@ from streamserve.engine.core import EngineCore
 from streamserve.frontend.input_processor import InputProcessor, PromptType
 from streamserve.frontend.output_processor import OutputProcessor
 from streamserve.frontend.renderer import Message, Renderer, load_tokenizer
+from streamserve.heap import collector_paused
 from streamserve.outputs import RequestOutput
 from streamserve.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
-        self.config = Config.from_kwargs(model=model, **kwargs)
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer)
-        self.renderer = Renderer(self.tokenizer)
-        self.engine_core = EngineCore(self.config, self.tokenizer)
+        with collector_paused():  # heap.py: the collector's passes over what a load builds
+            self.config = Config.from_kwargs(model=model, **kwargs)
+            self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+            self.renderer = Renderer(self.tokenizer)
+            self.engine_core = EngineCore(self.config, self.tokenizer)
         self.input_processor = InputProcessor(self.config, self.renderer, self.engine_core.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()

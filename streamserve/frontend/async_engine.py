@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import logging
 import threading
@@ -30,6 +31,7 @@ from streamserve.engine.request import EngineCoreOutput
 from streamserve.frontend.input_processor import InputProcessor
 from streamserve.frontend.output_processor import OutputProcessor
 from streamserve.frontend.renderer import Renderer, load_tokenizer
+from streamserve.heap import collector_paused, freeze_loaded
 from streamserve.outputs import RequestOutput
 from streamserve.sampling_params import SamplingParams
 
@@ -48,10 +50,15 @@ class EngineStepError(RuntimeError):
 class AsyncEngine:
     """`config` may be a function that builds the Config: then resolving the model (which
     may fetch and convert it) also happens on the engine thread, and a server in front of
-    it listens at once. Everything model-dependent exists once `is_ready`."""
+    it listens at once. Everything model-dependent exists once `is_ready`. With `freeze_heap`
+    (for a process that keeps this engine to its end, as the server does), the heap left by the
+    load is collected once and frozen before the engine says it is ready (heap.freeze_loaded),
+    and the collector is on from then (the server's __main__ turns it off at start); `shutdown`
+    unfreezes the heap."""
 
-    def __init__(self, config: Union[Config, Callable[[], Config]]) -> None:
+    def __init__(self, config: Union[Config, Callable[[], Config]], freeze_heap: bool = False) -> None:
         self._make_config = config if callable(config) else (lambda: config)
+        self._freeze_heap = freeze_heap
         self.config: Optional[Config] = None
         self.tokenizer = self.renderer = self.output_processor = None
         self.input_processor: Optional[InputProcessor] = None  # needs the vocabulary size
@@ -93,6 +100,8 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None and self._ready.is_set():
             await asyncio.to_thread(self._thread.join)
+            if self._freeze_heap and self.load_error is None:
+                gc.unfreeze()  # what was frozen may now be cycles to collect
 
     # -- requests (loop side) ------------------------------------------------------
 
@@ -145,11 +154,15 @@ class AsyncEngine:
 
     def _engine_main(self) -> None:
         try:
-            self.config = config = self._make_config()
-            self.tokenizer = load_tokenizer(config.model.tokenizer)
-            self.renderer = Renderer(self.tokenizer)
-            self.output_processor = OutputProcessor(self.tokenizer)
-            core = EngineCore(config, self.tokenizer)
+            with collector_paused():
+                self.config = config = self._make_config()
+                self.tokenizer = load_tokenizer(config.model.tokenizer)
+                self.renderer = Renderer(self.tokenizer)
+                self.output_processor = OutputProcessor(self.tokenizer)
+                core = EngineCore(config, self.tokenizer)
+            if self._freeze_heap:
+                freeze_loaded()
+                gc.enable()
         except BaseException as exc:  # a load failure must reach /health, not kill silently
             if not isinstance(exc, (ValueError, TypeError)):  # those already say what is wrong
                 logger.exception("engine failed to load")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
+import os
 from typing import Any, Optional
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from streamserve.sampling_params import ParamError
 
@@ -15,9 +17,36 @@ Message = dict[str, Any]
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, config=tokenizer_choice_config(path))
     except Exception as exc:  # transformers raises many kinds here; say what and where
         raise ValueError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
+
+
+def tokenizer_choice_config(path: str) -> Optional[PretrainedConfig]:
+    """What AutoTokenizer reads of a model's config to choose the tokenizer's class (model_type,
+    name, tokenizer_class), without AutoConfig, which in transformers 5 imports the model type's configuration
+    module and with it transformers' model-loading code and torch.distributed.tensor: 2.4-2.7 s
+    of a 5 s load of the default model here. Only where tokenizer_config.json names its class and
+    neither file brings code of its own (auto_map): AutoTokenizer then chooses from these fields
+    and that name alone. Else None, and AutoTokenizer loads the config itself."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            declared = json.load(f)
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            model = json.load(f)
+    except (OSError, ValueError):  # a hub ID, or no such files: AutoTokenizer's own way
+        return None
+    if not (isinstance(declared, dict) and isinstance(model, dict) and declared.get("tokenizer_class")
+            and isinstance(model.get("model_type"), str) and "auto_map" not in declared and "auto_map" not in model):
+        return None
+    config = _config_class(model["model_type"])(tokenizer_class=model.get("tokenizer_class"))
+    config.name_or_path = path
+    return config
+
+
+@functools.lru_cache(maxsize=None)
+def _config_class(model_type: str) -> type:
+    return type(f"TokenizerChoiceConfig[{model_type}]", (PretrainedConfig,), {"model_type": model_type})
 
 
 class Renderer:

@@ -139,7 +139,10 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope_theta, arch.rope_scaling)
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # its weight given, so that it is not drawn at random: load_model builds on the meta device,
+        # where torch's normal_ imports torch._dynamo (1.5-2 s of the start-up) to fill nothing
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size)
