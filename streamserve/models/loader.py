@@ -60,7 +60,11 @@ def load_model(model_config: ModelConfig, device: torch.device,
     """Build the model on `device` in `dtype` and fill in its weights."""
     with torch.device("meta"):
         model = build_model(model_config.hf_config)
-    model = model.to_empty(device=device).to(dtype)
+    # each tensor allocated in place of its meta one, uninitialised, floating ones in `dtype`: what
+    # to_empty(device).to(dtype) does, where to_empty's empty_like of a meta tensor goes through
+    # torch's Python refs, which import sympy (0.7-0.9 s of the start-up)
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
+                                               device=device))
     model.tie_weights()
     if model_config.load_format == "dummy":
         fill_random(model, model_config.seed)

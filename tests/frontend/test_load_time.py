@@ -1,5 +1,5 @@
-"""What a load costs beyond the model: the tokenizer's class chosen without transformers'
-AutoConfig, no torch._dynamo, and the collector's passes over the loaded heap."""
+"""What a load costs beyond the model: no torch._dynamo or sympy imported, the tokenizer's
+class chosen without transformers' AutoConfig, and the collector's passes over the loaded heap."""
 
 from __future__ import annotations
 
@@ -63,11 +63,11 @@ def test_autotokenizer_reads_the_config_itself_unless_the_class_is_named_without
     assert type(load_tokenizer(unnamed)) is type(AutoTokenizer.from_pretrained(unnamed, local_files_only=True))
 
 
-def test_a_load_imports_neither_dynamo_nor_the_model_types_configuration(llama_dir):
+def test_a_load_imports_neither_dynamo_sympy_nor_the_model_types_configuration(llama_dir):
     probe = ("import sys; from streamserve import LLM; "
              f"llm = LLM({llama_dir!r}, dtype='float32', kv_cache_memory='16MiB'); "
              "assert llm.generate('hi', use_tqdm=False)[0].outputs[0].token_ids; "
-             "print(sorted(m for m in ('torch._dynamo', 'transformers.models.llama.configuration_llama') "
+             "print(sorted(m for m in ('torch._dynamo', 'sympy', 'transformers.models.llama.configuration_llama') "
              "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": os.getcwd()})
