@@ -126,7 +126,7 @@ def quantized(kind: str, n: int, k: int, seed: int) -> QuantizedWeight:
     return QuantizedWeight.random(kind, n, k, torch.Generator().manual_seed(seed))
 
 
-# rows of w in threes, and 1 or 2 left; rows of whole groups of 8 blocks of 32 (Q4_K's only kind),
+# rows of w one at a time (1-2 vectors), or in threes and 1 or 2 left (3 on); rows of whole groups of 8 blocks of 32 (Q4_K's only kind),
 # and groups of 8 then 1 (padded with a zero block: 288), 4 (384), 5 (416) or 6 (448) blocks, or
 # only 1 (32) or 5 (160)
 QUANT_SHAPES = [(kind, n, k) for kind in BLOCKS
