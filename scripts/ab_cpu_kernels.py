@@ -4,6 +4,7 @@ alternating call by call, so that a shared machine's drift hits every build alik
     python scripts/ab_cpu_kernels.py --variant HEAD --variant streamserve/models/csrc/cpu_kernels.c
     python scripts/ab_cpu_kernels.py --kernel gemv --quant q4_1 --rows 1,4 --variant HEAD~ --variant HEAD
     python scripts/ab_cpu_kernels.py --kernel attention --context 3500 --variant HEAD --variant /tmp/v.c
+    python scripts/ab_cpu_kernels.py --kernel gemv-step --rows 1 --variant HEAD~ --variant HEAD
 
 Each variant is a C file or a git revision (its csrc/cpu_kernels.c), built into a library of its
 own with the flags cpu_kernels.py uses; every variant must have the current kernels' interface
@@ -16,6 +17,9 @@ of 64, blocks of 16, each sequence's in order unless `--scattered`), so that the
 K and V from memory. Prints each variant's best and median seconds and
 its median's ratio to the first's. The times include the Python wrappers' cost per call (tens of
 microseconds, the same for every variant, so ratios come out a little smaller than the kernels').
+`gemv-step` runs the `gemv` workload's quantized GEMVs (Q4_1 layers, the Q8_0 head) from C instead
+(scripts/ab_gemv_step.c: no Python between calls, as in the C step); where a change is in how a
+call walks its rows, the Python wrappers' time and the idle thread between calls can hide it.
 Give the same variant twice to see this machine's noise (an A/A pair within a few percent says
 the run can tell such a difference).
 """
@@ -46,6 +50,15 @@ LAYERS, VOCAB, HQ, HKV, D, BS = 30, 49152, 9, 3, 64, 16
 
 def build(variant: str, out_dir: str, index: int) -> cpu_kernels.CpuKernels:
     """The kernels built from a C file, or from a git revision's copy of the source."""
+    lib = build_library(variant, out_dir, index)
+    try:
+        return cpu_kernels.CpuKernels(ctypes.CDLL(lib))
+    except AttributeError as exc:
+        raise SystemExit(f"{variant} does not have the current kernels' interface ({exc})")
+
+
+def build_library(variant: str, out_dir: str, index: int) -> str:
+    """The path of the shared library built from a C file or a git revision's source."""
     if os.path.isfile(variant):
         path = variant
     else:
@@ -55,10 +68,7 @@ def build(variant: str, out_dir: str, index: int) -> cpu_kernels.CpuKernels:
             f.write(text)
     lib = os.path.join(out_dir, f"variant{index}.so")
     subprocess.run([cpu_kernels._compiler(), *cpu_kernels.FLAGS, path, "-o", lib], check=True)
-    try:
-        return cpu_kernels.CpuKernels(ctypes.CDLL(lib))
-    except AttributeError as exc:
-        raise SystemExit(f"{variant} does not have the current kernels' interface ({exc})")
+    return lib
 
 
 def gemv_workload(args, gen: torch.Generator):
@@ -94,10 +104,29 @@ def attention_workload(args, gen: torch.Generator):
     return size, lambda kernels: [kernels.paged_decode_attention(q, c, tables, lens, D ** -0.5) for c in caches]
 
 
+def gemv_step(args) -> int:
+    """The gemv workload from C: scripts/ab_gemv_step.c over each variant's library."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        libs = [build_library(v, out_dir, i) for i, v in enumerate(args.variant)]
+        harness = os.path.join(out_dir, "ab_gemv_step")
+        subprocess.run([cpu_kernels._compiler(), "-O2", os.path.join(ROOT, "scripts", "ab_gemv_step.c"),
+                        "-ldl", "-o", harness], check=True)
+        print(f"gemv-step: q4_1 layers and the q8_0 head, {args.rows} rows, from C, {args.rounds} rounds")
+        env = {**os.environ, "M": str(args.rows), "PASSES": str(args.rounds)}
+        run = subprocess.run([harness, *libs], env=env, capture_output=True, text=True)
+        if run.returncode:
+            raise SystemExit(f"ab_gemv_step failed: {run.stderr.strip()}")
+        out = run.stdout
+    for lib, variant in zip(libs, args.variant):
+        out = out.replace(lib, f"{variant:{len(lib)}s}")
+    print(out, end="")
+    return 0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", action="append", required=True, help="a C file or a git revision (repeat)")
-    parser.add_argument("--kernel", choices=["gemv", "attention"], default="gemv")
+    parser.add_argument("--kernel", choices=["gemv", "gemv-step", "attention"], default="gemv")
     parser.add_argument("--quant", choices=list(BLOCKS), default="q4_1", help="gemv: GGUF blocks of this type")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
                         help="gemv: the packed GEMM over weights of this dtype instead of GGUF blocks")
@@ -111,6 +140,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.dtype:
         args.quant = None
+    if args.kernel == "gemv-step":
+        return gemv_step(args)
     with tempfile.TemporaryDirectory() as out_dir:
         builds = [build(v, out_dir, i) for i, v in enumerate(args.variant)]
         gen = torch.Generator().manual_seed(0)
