@@ -339,8 +339,7 @@ class CpuKernels:
 
 def fits_decode_attention(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether the C decode attention's on-stack accumulators hold this head layout."""
-    return (num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 64 and num_heads <= 256
-            and num_heads * head_dim <= 16384)
+    return num_heads % num_kv_heads == 0 and num_heads <= 256 and num_heads * head_dim <= 16384
 
 
 def _check_rows(x: torch.Tensor) -> None:

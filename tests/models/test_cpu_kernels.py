@@ -240,7 +240,8 @@ def scattered_tables(lens: list[int], block_size: int, gen: torch.Generator) -> 
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (6, 3, 48), (2, 2, 20)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (6, 3, 48), (2, 2, 20),
+                                                             (80, 1, 16)])  # 80 query heads on one KV head
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("lens", [[1, 15, 16, 3 * 32 + 5, 70, 0],  # 0: a row that sees no key
                                   [1000, 0]])  # few rows: the keys split into chunks, merged after
@@ -296,7 +297,7 @@ def test_decode_attention_refuses_what_it_cannot_read():
 
 @needs_kernel
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (6, 3, 48), (2, 2, 20),
-                                                             (32, 2, 8)])  # 16 query heads a KV head
+                                                             (32, 2, 8), (80, 1, 16)])  # 16 and 80 query heads a KV head
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("chunks", [[(0, 5), (40, 1), (37, 100), (0, 100), (300, 70), (0, 1)],

@@ -733,7 +733,6 @@ static inline __attribute__((always_inline)) float kv1(const void *p, long i, co
 
 #define ATTN_TILE 32      /* keys scored before their softmax and values (K and V rows: in L1) */
 #define ATTN_HEADS 3      /* query heads a tile routine takes at once: their accumulators fill the registers */
-#define ATTN_MAX_G 64     /* query heads per KV head */
 #define ATTN_MAX_Q 256    /* query heads */
 #define ATTN_MAX_QD 16384 /* query heads x head_dim: a task's accumulators, on the stack */
 #define ATTN_AHEAD 4      /* keys ahead whose K rows are prefetched (the hardware's prefetchers do not keep up) */
@@ -971,7 +970,7 @@ static void merge_chunks(const float *part, long chunks, long B, long Hq, long D
  * turn, from L2, 0.65-0.75x as fast as this from memory). With few sequences the keys are split
  * into chunks so every thread has work, and the chunks' partial results are merged by
  * their log-sum-exp (flash-decoding). A sequence of length 0 gets zeros.
- * Hq / Hkv <= ATTN_MAX_G, Hq <= ATTN_MAX_Q, Hq * D <= ATTN_MAX_QD.
+ * Hq <= ATTN_MAX_Q, Hq * D <= ATTN_MAX_QD.
  */
 void paged_decode_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
                             const int64_t *tables, const int64_t *seq_lens, float *out,
