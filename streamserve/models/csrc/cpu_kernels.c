@@ -735,6 +735,7 @@ static inline __attribute__((always_inline)) float kv1(const void *p, long i, co
 #define ATTN_HEADS 3      /* query heads a tile routine takes at once: their accumulators fill the registers */
 #define ATTN_MAX_Q 256    /* query heads */
 #define ATTN_MAX_QD 16384 /* query heads x head_dim: a task's accumulators, on the stack */
+#define ATTN_PF_LINES 2048 /* of the next tile's K rows asked for with the values (128 KB: more than L1) */
 #define ATTN_AHEAD 4      /* keys ahead whose K rows are prefetched (the hardware's prefetchers do not keep up) */
 
 /* Head i's four accumulators A##i##0..3 += Y times the vectors x0..x3. */
@@ -774,15 +775,12 @@ static inline __attribute__((always_inline)) void scores_4keys(const float *q, c
 
 /* acc[g][0:D] += sum_j p[g * ATTN_TILE + j] * (row j of v), for NG (<= ATTN_HEADS) heads (acc rows
  * D apart) over the n rows at rows[j]: 32 columns at a time, so that each V vector is loaded
- * once for the NG heads while their 4 x NG accumulators stay in registers. With pf, the K rows
- * (pf_bytes each) at pf_rows[0 .. pf_n) of pf are asked for meanwhile, one a V row: the next
- * tile's, so that memory is busy while this tile's values are taken, its V rows having come in
- * with the scores (batch 1 context 3500 1.16x, batch 16 context 1000 1.27x, scattered blocks
- * 1.14x, float32 caches 1.08x: scripts/ab_cpu_kernels.py --kernel attention, 2026-12-01). */
+ * once for the NG heads while their 4 x NG accumulators stay in registers. Meanwhile it asks
+ * for its share of the next tile's K rows: pf_per of the cache lines at pf[0 .. pf_n) a V row,
+ * pass (32 columns) after pass, n rows a pass. */
 static inline __attribute__((always_inline)) void weighted_rows(float *acc, const float *p, const void *v,
                                                                 const long *rows, long n, long D, const int NG,
-                                                                const int half, const char *pf, const long *pf_rows,
-                                                                long pf_n, long pf_bytes) {
+                                                                const int half, const char **pf, long pf_n, long pf_per) {
     long d = 0;
     for (; d + 32 <= D; d += 32) {
         __m256 c00 = _mm256_loadu_ps(acc + d), c01 = _mm256_loadu_ps(acc + d + 8);
@@ -797,8 +795,8 @@ static inline __attribute__((always_inline)) void weighted_rows(float *acc, cons
             c22 = _mm256_loadu_ps(acc + 2 * D + d + 16), c23 = _mm256_loadu_ps(acc + 2 * D + d + 24);
         }
         for (long j = 0; j < n; j++) {
-            if (pf && d == 0 && j < pf_n)
-                for (long b = 0; b < pf_bytes; b += 64) _mm_prefetch(pf + pf_rows[j] * (half ? 2 : 4) + b, _MM_HINT_T0);
+            for (long i = (d / 32 * n + j) * pf_per, e = i + pf_per; i < e && i < pf_n; i++)
+                _mm_prefetch(pf[i], _MM_HINT_T0);
             const long x = rows[j] + d;
             const __m256 x0 = kv8(v, x, half), x1 = kv8(v, x + 8, half);
             const __m256 x2 = kv8(v, x + 16, half), x3 = kv8(v, x + 24, half);
@@ -863,12 +861,12 @@ static inline __attribute__((always_inline)) void attend_keys(
             for (; j < n + ATTN_TILE + 8; j++) rows[j] = rows[j - 1];  /* the last group of four reads a key again */
         }
         for (long j = 0; j < n; j += 4) {
-            /* ask for the whole K rows ATTN_AHEAD keys on (from the second tile on, the tile before's
-             * values asked for them already) and these four's V rows: without it, the kernel read the
-             * cache from memory at 0.65x the speed, even where its blocks lay in order */
+            /* ask for the whole K rows ATTN_AHEAD keys on and these four's V rows: without it, the
+             * kernel read the cache from memory at 0.65x the speed, even where its blocks lay in order */
             for (long a = 0; a < 4; a++)
                 for (long b = 0; b < row_bytes; b += 64) {
-                    _mm_prefetch((const char *)k_cache + rows[j + ATTN_AHEAD + a] * elt + b, _MM_HINT_T0);
+                    if (t0 == start)  /* later tiles' K rows: asked for with the values before them */
+                        _mm_prefetch((const char *)k_cache + rows[j + ATTN_AHEAD + a] * elt + b, _MM_HINT_T0);
                     _mm_prefetch((const char *)v_cache + rows[j + a] * elt + b, _MM_HINT_T0);
                 }
             for (long h = 0; h < Hkv; h++) {
@@ -902,11 +900,26 @@ static inline __attribute__((always_inline)) void attend_keys(
             if (alpha != 1.0f)
                 for (long d = 0; d < D; d++) acc[g * D + d] *= alpha;
         }
-        const long pf_n = end - t0 - n < ATTN_TILE ? end - t0 - n : ATTN_TILE;
+        /* The next tile's K rows, asked for while this tile's values are taken, spread evenly over
+         * all their passes: the V rows came in with the scores, and memory would idle meanwhile
+         * (one thread took 213 cycles a key and KV head from memory, 76 cache-resident). Against
+         * no such prefetch (scripts/ab_cpu_kernels.py --kernel attention, 30 layers' float16
+         * caches, 2026-12-01): batch 1 context 3500 1.23x, batch 16 context 1000 1.43x, batch 64
+         * context 512 1.42x, scattered blocks 1.32x, float32 caches 1.21x, context 200 1.00x. */
+        const long next = end - t0 - n < ATTN_TILE ? end - t0 - n : ATTN_TILE;
+        const char *pf[ATTN_PF_LINES];
+        long pf_n = 0;
+        for (long j = 0; j < next; j++)
+            for (long b = 0; b < row_bytes && pf_n < ATTN_PF_LINES; b += 64)
+                pf[pf_n++] = (const char *)k_cache + rows[n + j] * elt + b;
+        const long chunks = D / 32 ? D / 32 : 1;  /* weighted_rows' passes a call (none below 32 columns) */
+        const long passes = Hkv * ((G + ATTN_HEADS - 1) / ATTN_HEADS) * chunks;
+        const long pf_per = (pf_n + passes * n - 1) / (passes * n);
+        long pass = 0;
         for (long h = 0; h < Hkv; h++) {
             const char *vh = (const char *)v_cache + h * D * elt;
-#define VALUES(NG) weighted_rows(acc + h * GD + g * D, s + (h * G + g) * ATTN_TILE, vh, rows, n, D, NG, half, \
-                                 h == 0 && g == 0 ? (const char *)k_cache : 0, rows + n, pf_n, row_bytes)
+#define VALUES(NG) (weighted_rows(acc + h * GD + g * D, s + (h * G + g) * ATTN_TILE, vh, rows, n, D, NG, half, \
+                                  pf + pass * n * pf_per, pf_n - pass * n * pf_per, pf_per), pass += chunks)
             FOR_HEAD_GROUPS(G, VALUES)
 #undef VALUES
         }
