@@ -776,11 +776,12 @@ static inline __attribute__((always_inline)) void scores_4keys(const float *q, c
 /* acc[g][0:D] += sum_j p[g * ATTN_TILE + j] * (row j of v), for NG (<= ATTN_HEADS) heads (acc rows
  * D apart) over the n rows at rows[j]: 32 columns at a time, so that each V vector is loaded
  * once for the NG heads while their 4 x NG accumulators stay in registers. Meanwhile it asks
- * for its share of the next tile's K rows: pf_per of the cache lines at pf[0 .. pf_n) a V row,
- * pass (32 columns) after pass, n rows a pass. */
+ * for its share of the next tile's K rows: of the cache lines at pf[0 .. pf_n), pf_per a V row
+ * from pf_from on, pass (32 columns) after pass, n rows a pass. */
 static inline __attribute__((always_inline)) void weighted_rows(float *acc, const float *p, const void *v,
                                                                 const long *rows, long n, long D, const int NG,
-                                                                const int half, const char **pf, long pf_n, long pf_per) {
+                                                                const int half, const char *const *pf, long pf_n,
+                                                                long pf_from, long pf_per) {
     long d = 0;
     for (; d + 32 <= D; d += 32) {
         __m256 c00 = _mm256_loadu_ps(acc + d), c01 = _mm256_loadu_ps(acc + d + 8);
@@ -795,7 +796,7 @@ static inline __attribute__((always_inline)) void weighted_rows(float *acc, cons
             c22 = _mm256_loadu_ps(acc + 2 * D + d + 16), c23 = _mm256_loadu_ps(acc + 2 * D + d + 24);
         }
         for (long j = 0; j < n; j++) {
-            for (long i = (d / 32 * n + j) * pf_per, e = i + pf_per; i < e && i < pf_n; i++)
+            for (long i = pf_from + (d / 32 * n + j) * pf_per, e = i + pf_per; i < e && i < pf_n; i++)
                 _mm_prefetch(pf[i], _MM_HINT_T0);
             const long x = rows[j] + d;
             const __m256 x0 = kv8(v, x, half), x1 = kv8(v, x + 8, half);
@@ -919,7 +920,7 @@ static inline __attribute__((always_inline)) void attend_keys(
         for (long h = 0; h < Hkv; h++) {
             const char *vh = (const char *)v_cache + h * D * elt;
 #define VALUES(NG) (weighted_rows(acc + h * GD + g * D, s + (h * G + g) * ATTN_TILE, vh, rows, n, D, NG, half, \
-                                  pf + pass * n * pf_per, pf_n - pass * n * pf_per, pf_per), pass += chunks)
+                                  pf, pf_n, pass * n * pf_per, pf_per), pass += chunks)
             FOR_HEAD_GROUPS(G, VALUES)
 #undef VALUES
         }
