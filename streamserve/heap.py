@@ -29,8 +29,10 @@ def collector_paused() -> Iterator[None]:
 
 
 def freeze_loaded() -> None:
-    """Collect the load's cycles once (0.4-0.8 s), then move every object left to the permanent
-    generation (gc.freeze), which later passes skip: they walk what serving allocated, not the
-    loaded heap. A cycle of frozen objects is never collected until `gc.unfreeze()`."""
+    """Collect the load's cycles once (0.4-0.8 s), move every object left to the permanent
+    generation (gc.freeze), which later passes skip (they walk what serving allocated, not the
+    loaded heap), and turn the collector on (python -m streamserve starts with it off). A cycle
+    of frozen objects is never collected until `gc.unfreeze()`."""
     gc.collect()
     gc.freeze()
+    gc.enable()

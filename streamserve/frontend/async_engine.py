@@ -52,8 +52,8 @@ class AsyncEngine:
     may fetch and convert it) also happens on the engine thread, and a server in front of
     it listens at once. Everything model-dependent exists once `is_ready`. With `freeze_heap`
     (for a process that keeps this engine to its end, as the server does), the heap left by the
-    load is collected once and frozen before the engine says it is ready (heap.freeze_loaded),
-    and the collector is on from then (the server's __main__ turns it off at start); `shutdown`
+    load is collected once and frozen before the engine says it is ready, and the collector is
+    on from then (heap.freeze_loaded; the server's __main__ turns it off at start); `shutdown`
     unfreezes the heap."""
 
     def __init__(self, config: Union[Config, Callable[[], Config]], freeze_heap: bool = False) -> None:
@@ -162,7 +162,6 @@ class AsyncEngine:
                 core = EngineCore(config, self.tokenizer)
             if self._freeze_heap:
                 freeze_loaded()
-                gc.enable()
         except BaseException as exc:  # a load failure must reach /health, not kill silently
             if not isinstance(exc, (ValueError, TypeError)):  # those already say what is wrong
                 logger.exception("engine failed to load")

@@ -24,11 +24,12 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def tokenizer_choice_config(path: str) -> Optional[PretrainedConfig]:
     """What AutoTokenizer reads of a model's config to choose the tokenizer's class (model_type,
-    name, tokenizer_class), without AutoConfig, which in transformers 5 imports the model type's configuration
-    module and with it transformers' model-loading code and torch.distributed.tensor: 2.4-2.7 s
-    of a 5 s load of the default model here. Only where tokenizer_config.json names its class and
-    neither file brings code of its own (auto_map): AutoTokenizer then chooses from these fields
-    and that name alone. Else None, and AutoTokenizer loads the config itself."""
+    name, tokenizer_class), without AutoConfig, which in transformers 5 imports the model type's
+    configuration module and with it transformers' model-loading code and
+    torch.distributed.tensor: 2.4-2.7 s of a 5 s load of the default model here. Only where
+    tokenizer_config.json names its class and neither file brings code of its own (auto_map):
+    AutoTokenizer then chooses from these fields and that name alone. Else None, and
+    AutoTokenizer loads the config itself."""
     try:
         with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
             declared = json.load(f)
