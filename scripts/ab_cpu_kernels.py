@@ -106,6 +106,8 @@ def attention_workload(args, gen: torch.Generator):
 
 def gemv_step(args) -> int:
     """The gemv workload from C: scripts/ab_gemv_step.c over each variant's library."""
+    if args.dtype or args.quant != "q4_1":
+        raise SystemExit("--kernel gemv-step times the default model's blocks only: Q4_1 layers, the Q8_0 head")
     with tempfile.TemporaryDirectory() as out_dir:
         libs = [build_library(v, out_dir, i) for i, v in enumerate(args.variant)]
         harness = os.path.join(out_dir, "ab_gemv_step")
