@@ -134,15 +134,21 @@ QUANT_SHAPES = [(kind, n, k) for kind in BLOCKS
                 if k % BLOCKS[kind][0] == 0]
 
 
+# the quantized GEMV's builds: on an AVX-512 CPU the native one (with vpdpwssd where it has
+# AVX512-VNNI) and the AVX2 one
+QUANT_BUILDS = BUILDS[:2]
+
+
 @needs_kernel
+@pytest.mark.parametrize("build", QUANT_BUILDS)
 @pytest.mark.parametrize("kind,n,k", QUANT_SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])  # tiles of 4 vectors, and what is left
-def test_quantized_kernel_matches_the_dequantized_weight(kind, m, n, k):
+def test_quantized_kernel_matches_the_dequantized_weight(kind, m, n, k, build):
     weight = quantized(kind, n, k, seed=m * 1000 + n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     x[0, :32] = 0.0  # a block of zeros (its int16 scale is 0)
     x[-1, 5] = 1e4  # an outlier: its block loses precision, no other does
-    y = kernels.quant_gemv[kind](x, cpu_kernels.pack_quantized(weight))
+    y = built(build).quant_gemv[kind](x, cpu_kernels.pack_quantized(weight))
     w = weight.dequantize().double()
     ref = x.double() @ w.t()
     # The kernel's only error besides float32 rounding: each block of x as int16 times its scale,

@@ -485,11 +485,19 @@ static int quantize_x(const float *x, long M, long K, QuantX *q) {
  * vector's pair x (laid out the same way): 8 int32 lanes, 4 a block. vpmaddwd adds the products in
  * pairs, exactly: |q| <= 15 (or 128) times |x| <= 32767, twice, and eight such pairs a lane. */
 static inline __m256i dot_pair_of(__m256i w0, __m256i w1, __m256i w2, __m256i w3, const int16_t *x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* vpdpwssd: the same products and pairwise sums, added to an accumulator in one instruction */
+    const __m256i a = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x));
+    const __m256i b = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+    return _mm256_add_epi32(_mm256_dpwssd_epi32(a, w2, _mm256_loadu_si256((const __m256i *)(x + 32))),
+                            _mm256_dpwssd_epi32(b, w3, _mm256_loadu_si256((const __m256i *)(x + 48))));
+#else
     const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x));
     const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
     const __m256i p2 = _mm256_madd_epi16(w2, _mm256_loadu_si256((const __m256i *)(x + 32)));
     const __m256i p3 = _mm256_madd_epi16(w3, _mm256_loadu_si256((const __m256i *)(x + 48)));
     return _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3));
+#endif
 }
 /* A pair's bytes come in chunks of 16, eight of each block (cpu_kernels.py: _group), so widening
  * a chunk to int16 puts the first block's in the low 128-bit lane and the second's in the high
@@ -547,7 +555,9 @@ static inline void scales_q4_k(const uint8_t *G, __m256 *d, __m256 *m) {
 /* A tile of the quantized product: NR rows of w (wr, ROW_BYTES(K) apart) against MR vectors
  * of x into y (yb, rows N apart), a group at a time: per row and vector, the group's (up to)
  * four pairs, their sums in 8 lanes, and those times d * sx plus m * xsum into an accumulator
- * of 8 lanes. The MR x NR accumulators stay in registers (MR, NR constants at every call);
+ * of 8 lanes. The MR x NR accumulators stay in registers (MR, NR constants at every call, the
+ * loops over them unrolled: GCC kept them as loops, with the accumulators on the stack; with
+ * vpdpwssd, 1.07-1.11x at 3 and 8 vectors on a Zen 4, and no change on the AVX2 build);
  * `ahead`, when set, is prefetched (the next rows, for the memory-bound single-vector case). */
 #define DEFINE_QTILE(NAME, HEADER, PAIR, SCALES, DOT_PAIR, HAS_MINIMUM)                           \
     static inline __attribute__((always_inline)) void NAME(                                       \
@@ -564,10 +574,12 @@ static inline void scales_q4_k(const uint8_t *G, __m256 *d, __m256 *m) {
                 for (int r = 0; r < NR; r++)                                                      \
                     for (long c = 0; c < group_bytes; c += 64)                                    \
                         _mm_prefetch(ahead + r * row + g * group_bytes + c, _MM_HINT_T0);         \
+            _Pragma("GCC unroll 3")                                                               \
             for (int r = 0; r < NR; r++) {                                                        \
                 const uint8_t *G = wr + r * row + g * group_bytes;                                \
                 __m256 d, mn;                                                                     \
                 SCALES(G, &d, &mn);                                                               \
+                _Pragma("GCC unroll 4")                                                           \
                 for (int m = 0; m < MR; m++) {                                                    \
                     const int16_t *xg = qx->x16 + m * nbp * 32 + g * QGROUP * 32;                   \
                     __m256i p[4];                                                                 \
