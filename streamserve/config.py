@@ -234,7 +234,8 @@ class ServerConfig:
     max_choices: int = field(default=1024, metadata={
         "help": "most choices one completions request may ask for: the prompts of its batch times n"})
     max_request_bytes: int = field(default=4 * 1024 * 1024, metadata={
-        "help": "largest request body accepted; larger ones get 413"})
+        "help": "largest request body accepted; larger ones get 413 (on /v1/ws, a larger frame "
+                "closes the socket with 1009)"})
     sse_keepalive_seconds: float = field(default=15.0, metadata={
         "help": "send an SSE ': keep-alive' comment after this long without a chunk"})
     allowed_origins: Optional[str] = field(default=None, metadata={

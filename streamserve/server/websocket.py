@@ -10,8 +10,10 @@ server -> client
   {"type": "chunk", "id": "...", "data": <exactly what an SSE data line would carry>}
   {"type": "done", "id": "..."}                    with "cancelled": true after a cancel
   {"type": "error", "id": "..." | null, "error": {message, type, param, code}}
-A bad frame or request gets an error frame; the socket stays open. Protocol-level
-ping/pong (heartbeat) keeps idle sockets alive through proxies.
+A bad frame or request gets an error frame; the socket stays open. A frame larger than
+--max-request-bytes (the limit of an HTTP body, which gets 413) closes the socket with code
+1009, message too big: the rest of such a frame is never read. Protocol-level ping/pong
+(heartbeat) keeps idle sockets alive through proxies.
 """
 
 from __future__ import annotations
@@ -137,7 +139,9 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
     if not origin_allowed(request):
         raise APIError(403, f"origin {request.headers['Origin']!r} may not open this websocket "
                        "(see --allowed-origins)", type="permission_error")
-    ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS)
+    # aiohttp refuses a message of max_msg_size bytes or more: frames of up to the limit pass
+    ws = web.WebSocketResponse(heartbeat=HEARTBEAT_SECONDS,
+                               max_msg_size=request.app[CONFIG].server.max_request_bytes + 1)
     await prepare(request, ws)
     sock = _Socket(request, ws)
     try:

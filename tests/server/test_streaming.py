@@ -135,10 +135,29 @@ def test_keepalive_comments_and_body_limit(llama_dir):
                 raw = (await r.read()).decode()
             async with session.post(url + "/v1/completions", json={"prompt": "x" * 5000}) as r:
                 too_big = (r.status, await r.json())
-        await runner.cleanup()
-        return raw, too_big
+            # the same limit on a websocket frame: one within it is served, a larger one closes
+            # the socket with 1009 (it was read whatever its size, up to aiohttp's 4 MiB)
+            async with session.ws_connect(url + "/v1/ws") as ws:
+                def frame(request_id: str) -> str:  # the id's length sets the frame's
+                    return json.dumps({"type": "request", "id": request_id, "endpoint": "completions",
+                                       "body": {"max_tokens": 2, "prompt": "hello"}}, separators=(",", ":"))
 
-    raw, (status, error) = asyncio.run(main())
+                request_id = "a" * (2048 - len(frame("")))
+                assert len(frame(request_id)) == 2048
+                await ws.send_bytes(frame(request_id).encode())  # as binary: refused, the socket stays
+                await ws.send_str(frame(request_id))
+                frames = [await ws.receive_json(timeout=60) for _ in range(2)]
+                while frames[-1]["type"] != "done":
+                    frames.append(await ws.receive_json(timeout=60))
+                await ws.send_str(frame(request_id + "a"))
+                closed = await ws.receive(timeout=60)
+        await runner.cleanup()
+        return raw, too_big, frames, (closed.type, ws.close_code)
+
+    raw, (status, error), ws_frames, ws_closed = asyncio.run(main())
+    assert ws_frames[0]["type"] == "error" and ws_frames[0]["error"]["message"] == "send JSON text frames"
+    assert [f["type"] for f in ws_frames[1:]] == ["chunk"] * (len(ws_frames) - 2) + ["done"]
+    assert ws_closed == (aiohttp.WSMsgType.CLOSE, 1009)
     frames = raw.split("\n\n")
     assert ": keep-alive" in frames
     data = [f for f in frames if f.startswith("data: ")]
