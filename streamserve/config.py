@@ -63,7 +63,9 @@ class ModelConfig:
         "help": "weight and activation dtype: auto (the checkpoint's), float32, bfloat16, float16"})
     max_model_len: Optional[int] = field(default=None, metadata={
         "help": "longest sequence (prompt + output) in tokens (default: the model's context length)"})
-    seed: int = field(default=0, metadata={"help": "seed for requests that do not give their own"})
+    seed: int = field(default=0, metadata={
+        "help": "seed of the random generator shared by the requests without a seed of their own "
+                "(each such request still samples differently)"})
     load_format: str = field(default="auto", metadata={
         "help": "auto (the checkpoint's safetensors) or dummy (random weights of the model's shape, "
                 "for benchmarks; the directory needs only config.json and a tokenizer)"})

@@ -41,6 +41,7 @@ class Serving(NamedTuple):
 
     server: ServerConfig
     model_name: str  # the name clients use
+    created: int  # when the app was built (unix seconds): /v1/models' "created"
 
 
 ENGINE = web.AppKey("engine", AsyncEngine)
@@ -85,7 +86,7 @@ async def errors_middleware(request: web.Request, handler):
 def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web.Application:
     """The app; it listens while `engine` loads (on_startup starts the loading)."""
     app = web.Application(middlewares=[errors_middleware], client_max_size=server.max_request_bytes)
-    app[CONFIG] = Serving(server, model_name)
+    app[CONFIG] = Serving(server, model_name, int(time.time()))
     app[ENGINE] = engine
     app[METRICS] = Metrics(engine, model_name)
     app.router.add_get("/", chat_page)
@@ -173,7 +174,7 @@ async def models(request: web.Request) -> web.Response:
     check_api_key(request)
     check_ready(request)
     return json_response({"object": "list", "data": [{
-        "id": request.app[CONFIG].model_name, "object": "model", "created": 0, "owned_by": "streamserve",
+        "id": request.app[CONFIG].model_name, "object": "model", "created": request.app[CONFIG].created, "owned_by": "streamserve",
         "max_model_len": request.app[ENGINE].config.model.max_model_len}]})
 
 
@@ -227,9 +228,13 @@ def check_body(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    """{"prompt": text} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}."""
+    """{"prompt": text} or {"messages": [...]} -> {"tokens", "count", "max_model_len"}, and with
+    "return_token_strs": true, as in vLLM, "token_strs": each token as the vocabulary spells it."""
     body = await read_body(request)
     renderer = request.app[ENGINE].renderer
+    strs = body.get("return_token_strs", False)
+    if not isinstance(strs, bool):
+        raise bad_request("'return_token_strs' must be a boolean", "return_token_strs")
     if "messages" in body:
         tokens = encode_chat(request.app[ENGINE], body, tools_for_template(body))
     else:
@@ -237,8 +242,10 @@ async def tokenize(request: web.Request) -> web.Response:
         if not isinstance(prompt, str):
             raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
         tokens = renderer.encode(prompt)
-    return json_response({"tokens": tokens, "count": len(tokens),
-                          "max_model_len": request.app[ENGINE].config.model.max_model_len})
+    reply = {"tokens": tokens, "count": len(tokens), "max_model_len": request.app[ENGINE].config.model.max_model_len}
+    if strs:
+        reply["token_strs"] = request.app[ENGINE].tokenizer.convert_ids_to_tokens(tokens)
+    return json_response(reply)
 
 
 def encode_chat(engine: AsyncEngine, body: dict[str, Any], tools: Optional[list[dict[str, Any]]]) -> list[int]:
@@ -314,6 +321,7 @@ class _Call:
         self.echo_only = self.echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
         if self.echo_only:
             body = {**body, "max_tokens": 1}
+        self.max_tokens_given = any(body.get(key) is not None for key in ("max_tokens", "max_completion_tokens"))
         self.params = protocol.sampling_params(body, serving.server.max_n,
                                                default_max_tokens=None if chat else 16,
                                                logprobs=protocol.logprobs_setting(body, chat))
@@ -345,15 +353,15 @@ class _Call:
         prompts their text."""
         for p, (text, ids) in enumerate(self.prompts):
             which = f"prompt {p} of the batch: " if len(self.prompts) > 1 else ""
-            if self.params.max_tokens is not None and self.params.max_tokens > max_model_len - len(ids):
-                raise bad_request(f"{which}the prompt has {len(ids)} tokens and max_tokens is "
-                                  f"{self.params.max_tokens}: together they exceed max_model_len "
-                                  f"({max_model_len})", "max_tokens")
-            try:
+            try:  # first: a prompt too long by itself is the prompt's fault, whatever max_tokens
                 self.engine.input_processor.validate(ids, self.params)
             except ParamError as exc:  # a chat's prompt is its messages
                 raise bad_request(which + str(exc),
                                   "messages" if self.chat and exc.param == "prompt" else exc.param) from None
+            if self.params.max_tokens is not None and self.params.max_tokens > max_model_len - len(ids):
+                raise bad_request(f"{which}the prompt has {len(ids)} tokens and max_tokens is "
+                                  f"{self.params.max_tokens}{'' if self.max_tokens_given else ' (the default)'}: "
+                                  f"together they exceed max_model_len ({max_model_len})", "max_tokens")
             if self.echo and text is None:  # token IDs, valid by now
                 self.prompts[p] = (self.engine.tokenizer.decode(ids), ids)
 

@@ -41,6 +41,14 @@ _FIELDS = {
 }
 
 
+def _must_be(key: str, what: str, value: Any) -> APIError:
+    """The 400 for a field of the wrong type. orjson reads an integer beyond 64 bits as a float:
+    such a value is named out of range rather than not an integer."""
+    if isinstance(value, float) and abs(value) >= 2 ** 63 and "int" in what:
+        return bad_request(f"'{key}' must be {what}; {value:g} is out of range", key)
+    return bad_request(f"'{key}' must be {what}", key)
+
+
 def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Optional[int],
                     logprobs: Optional[int] = None) -> SamplingParams:
     """Validate the sampling fields of a completions or chat body."""
@@ -50,13 +58,13 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
         if value is None:
             continue
         if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            raise bad_request(f"'{key}' must be {' or '.join(t.__name__ for t in types)}", key)
+            raise _must_be(key, " or ".join(t.__name__ for t in types), value)
         kwargs[name] = value
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int):
-                raise bad_request(f"'{key}' must be an integer", key)
+                raise _must_be(key, "an integer", value)
             kwargs["max_tokens"] = value
             break
     else:
@@ -77,7 +85,7 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
         kwargs["stop"] = stop
     kwargs["structured_outputs"] = structured_outputs(body)
     if kwargs.get("n", 1) > max_n:
-        raise bad_request(f"'n' must be at most {max_n}", "n")
+        raise bad_request(f"'n' must be at most {max_n} (the server's --max-n)", "n")
     try:
         return SamplingParams(**kwargs)
     except ParamError as exc:
@@ -113,7 +121,10 @@ def structured_outputs(body: dict[str, Any]) -> Optional[StructuredOutputsParams
         return None
     else:
         param = "response_format"
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if not isinstance(fmt, dict):
+            raise bad_request("'response_format' must be an object: {\"type\": \"text\"}, \"json_object\" "
+                              "(JSON mode) or \"json_schema\"", param)
+        kind = fmt.get("type")
         if kind == "text":
             return None
         if kind == "json_object":
@@ -143,7 +154,7 @@ def logprobs_setting(body: dict[str, Any], chat: bool) -> Optional[int]:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
-            raise bad_request("'logprobs' must be an integer", "logprobs")
+            raise _must_be("logprobs", "an integer", value)
         return value
     if value is not None and not isinstance(value, bool):
         raise bad_request("'logprobs' must be a boolean", "logprobs")
@@ -272,7 +283,9 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                        for p in content):
                 raise bad_request(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
-        if content is None:
+        if content is None:  # as in OpenAI's API, only an assistant's message may go without (its tool calls)
+            if m["role"] != "assistant":
+                raise bad_request(f"messages[{i}].content is required: a string or a list of text parts", "messages")
             content = ""
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")

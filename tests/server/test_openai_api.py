@@ -257,6 +257,51 @@ def test_tokenize_and_detokenize(server, offline):
     assert status == 400 and error["error"]["param"] == "tokens"
 
 
+def test_the_errors_name_what_was_wrong(server, offline):
+    """A fresh-user audit's findings: a non-object response_format named as such (it said
+    None), an integer beyond 64 bits (which orjson reads as a float) out of range rather than
+    not an integer, a prompt too long by itself blamed on the prompt (it named max_tokens, which
+    the client had not sent), the default max_tokens named as the default, --max-n named;
+    /v1/models' creation time a real one (it was 0); /tokenize's return_token_strs (vLLM's)."""
+    with urllib.request.urlopen(server + "/v1/models") as r:
+        model = json.loads(r.read())["data"][0]
+    assert time.time() - 3600 < model["created"] <= time.time()
+    max_len = model["max_model_len"]
+    user = [{"role": "user", "content": "x"}]
+    status, error = post(server + "/v1/chat/completions", {"messages": [{"role": "user"}]})
+    assert status == 400 and error["error"]["message"] == ("messages[0].content is required: a string or a "
+                                                           "list of text parts")
+    status, _ = post(server + "/v1/chat/completions", {"max_tokens": 1, "messages": [
+        *user, {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+            "name": "f", "arguments": "{}"}}]}, {"role": "tool", "content": "1"}]})
+    assert status == 200
+    status, error = post(server + "/v1/chat/completions", {"messages": user, "response_format": "json"})
+    assert status == 400 and error["error"]["param"] == "response_format"
+    assert "must be an object" in error["error"]["message"]
+    for field in ("max_tokens", "seed", "logprobs"):
+        status, error = post(server + "/v1/completions", {"prompt": "hi", field: 10 ** 23})
+        assert status == 400 and error["error"]["param"] == field
+        assert "1e+23 is out of range" in error["error"]["message"], error
+    status, error = post(server + "/v1/completions", {"prompt": "hi", "max_tokens": 2.5})
+    assert error["error"]["message"] == "'max_tokens' must be an integer"
+    status, error = post(server + "/v1/completions", {"prompt": [5] * max_len})
+    assert status == 400 and error["error"]["param"] == "prompt", error
+    status, error = post(server + "/v1/completions", {"prompt": [5] * (max_len - 10)})
+    assert status == 400 and error["error"]["param"] == "max_tokens"
+    assert "max_tokens is 16 (the default)" in error["error"]["message"]
+    status, error = post(server + "/v1/completions", {"prompt": [5] * (max_len - 10), "max_tokens": 16})
+    assert "max_tokens is 16:" in error["error"]["message"]
+    status, error = post(server + "/v1/completions", {"prompt": "hi", "n": 17})
+    assert "(the server's --max-n)" in error["error"]["message"]
+    tok = offline.get_tokenizer()
+    status, result = post(server + "/tokenize", {"prompt": "hello world", "return_token_strs": True})
+    assert status == 200 and result["token_strs"] == tok.convert_ids_to_tokens(tok.encode("hello world"))
+    status, result = post(server + "/tokenize", {"prompt": "hello world"})
+    assert "token_strs" not in result
+    status, error = post(server + "/tokenize", {"prompt": "hi", "return_token_strs": "yes"})
+    assert status == 400 and error["error"]["param"] == "return_token_strs"
+
+
 def test_chat_goes_on_with_the_final_message(server, client, offline):
     """continue_final_message: the reply continues the last assistant message, as a
     completion of the template's text up to it does (add_generation_prompt off unless set);
