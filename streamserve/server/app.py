@@ -174,8 +174,8 @@ async def models(request: web.Request) -> web.Response:
     check_api_key(request)
     check_ready(request)
     return json_response({"object": "list", "data": [{
-        "id": request.app[CONFIG].model_name, "object": "model", "created": request.app[CONFIG].created, "owned_by": "streamserve",
-        "max_model_len": request.app[ENGINE].config.model.max_model_len}]})
+        "id": request.app[CONFIG].model_name, "object": "model", "created": request.app[CONFIG].created,
+        "owned_by": "streamserve", "max_model_len": request.app[ENGINE].config.model.max_model_len}]})
 
 
 def api_key_ok(request: web.Request, given: Optional[str] = None) -> bool:
@@ -242,7 +242,8 @@ async def tokenize(request: web.Request) -> web.Response:
         if not isinstance(prompt, str):
             raise bad_request("'prompt' (a string) or 'messages' is required", "prompt")
         tokens = renderer.encode(prompt)
-    reply = {"tokens": tokens, "count": len(tokens), "max_model_len": request.app[ENGINE].config.model.max_model_len}
+    reply = {"tokens": tokens, "count": len(tokens),
+             "max_model_len": request.app[ENGINE].config.model.max_model_len}
     if strs:
         reply["token_strs"] = request.app[ENGINE].tokenizer.convert_ids_to_tokens(tokens)
     return json_response(reply)

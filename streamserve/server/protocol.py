@@ -41,10 +41,10 @@ _FIELDS = {
 }
 
 
-def _must_be(key: str, what: str, value: Any) -> APIError:
-    """The 400 for a field of the wrong type. orjson reads an integer beyond 64 bits as a float:
-    such a value is named out of range rather than not an integer."""
-    if isinstance(value, float) and abs(value) >= 2 ** 63 and "int" in what:
+def _must_be(key: str, what: str, value: Any, integer: bool = True) -> APIError:
+    """The 400 for a field of the wrong type (`what`). orjson reads an integer beyond 64 bits as a
+    float: where an integer was asked for, such a value is named out of range."""
+    if integer and isinstance(value, float) and abs(value) >= 2 ** 63:
         return bad_request(f"'{key}' must be {what}; {value:g} is out of range", key)
     return bad_request(f"'{key}' must be {what}", key)
 
@@ -58,7 +58,7 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
         if value is None:
             continue
         if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-            raise _must_be(key, " or ".join(t.__name__ for t in types), value)
+            raise _must_be(key, " or ".join(t.__name__ for t in types), value, int in types)
         kwargs[name] = value
     for key in ("max_completion_tokens", "max_tokens"):
         value = body.get(key)
@@ -283,9 +283,10 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                        for p in content):
                 raise bad_request(f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(p["text"] for p in content)
-        if content is None:  # as in OpenAI's API, only an assistant's message may go without (its tool calls)
+        if content is None:  # as in OpenAI's API, only an assistant's (with tool calls) may go without
             if m["role"] != "assistant":
-                raise bad_request(f"messages[{i}].content is required: a string or a list of text parts", "messages")
+                raise bad_request(f"messages[{i}].content is required: a string or a list of text parts",
+                                  "messages")
             content = ""
         if not isinstance(content, str):
             raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
