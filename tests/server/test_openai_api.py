@@ -258,7 +258,8 @@ def test_tokenize_and_detokenize(server, offline):
 
 
 def test_the_errors_name_what_was_wrong(server, offline):
-    """A fresh-user audit's findings: a non-object response_format named as such (it said
+    """A fresh-user audit's findings: a message without content a 400 unless an assistant's (it
+    ran as an empty message), a non-object response_format named as such (it said
     None), an integer beyond 64 bits (which orjson reads as a float) out of range rather than
     not an integer, a prompt too long by itself blamed on the prompt (it named max_tokens, which
     the client had not sent), the default max_tokens named as the default, --max-n named;
