@@ -134,12 +134,35 @@ def test_the_page_and_its_assets_are_served_with_a_strict_policy(server):
         assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error", missing
 
 
+# Hands the page's socket messages to its handler at most one per 15 ms, in order: the tiny
+# model can stream 200 tokens faster than a loaded machine's browser draws two frames, and
+# the page renders once a frame, so unpaced a reply may show up whole in one update.
+PACE_MESSAGES = """{
+  const onmessage = Object.getOwnPropertyDescriptor(WebSocket.prototype, 'onmessage');
+  let next = 0;
+  Object.defineProperty(WebSocket.prototype, 'onmessage', {
+    configurable: true,
+    get() { return onmessage.get.call(this); },
+    set(handler) {
+      onmessage.set.call(this, (event) => {
+        next = Math.max(performance.now(), next + 15);
+        setTimeout(() => handler.call(this, event), next - performance.now());
+      });
+    },
+  });
+}"""
+
+
 def test_a_reply_streams_in_token_by_token_with_its_statistics(server, open_page):
     sent = []
-    page = open_page(server, before=lambda page: page.on(
-        "websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(json.loads(payload)))))
+
+    def before(page):
+        page.add_init_script(PACE_MESSAGES)
+        page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(json.loads(payload))))
+
+    page = open_page(server, before=before)
     expect(page.locator("#model-name")).to_have_text(server.model_name)
-    # 200 tokens: long enough to span many of the page's frames (it renders once a frame)
+    # 200 tokens, paced: at least 3 s of stream, which spans many of the page's frames
     settings(page, system="Be brief.", temperature=0, top_p=0.9, max_tokens=200)
     expect(page.locator("#settings-model")).to_have_text(server.model_name)
     expect(page.locator("#max-model-len")).to_have_text("4096")
