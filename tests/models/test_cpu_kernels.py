@@ -71,8 +71,9 @@ def test_each_build_runs_the_code_it_is_tested_for(build):
 # tiles of 6 (AVX2) or 12 (AVX-512) vectors and what is left; (AVX2) blocks of 96 and what is left
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 11, 12, 16, 25, 97])
 # whole panels of 16 rows, a part-filled last one, a lone part-filled one; (AVX-512: single panels
-# while there are fewer than two pairs a thread, else pairs) a pair whose second panel is part-filled
-# (40, 33), a whole lone panel after pairs (48), and pairs then a lone one-column panel (129)
+# for at most 12 vectors or while there are fewer than two pairs a thread, else pairs: m from 16 on)
+# a pair whose second panel is part-filled (40, 33), a whole lone panel after pairs (48), and pairs
+# then a lone one-column panel (129)
 @pytest.mark.parametrize("n,k", [(37, 577), (64, 64), (5, 7), (16, 1), (40, 33), (48, 64), (33, 9), (129, 33)])
 def test_packed_gemm_matches_float64(build, dtype, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)

@@ -71,6 +71,11 @@ static inline float hmax(__m256 v) {
  * single-token step stays bound by memory. */
 #define PANEL 16
 #define PANEL_MR 6
+/* How far ahead, in k, a tile asks for its panel's weights (a hint: past the end it never faults):
+ * 6 KB of bf16. On the Zen 5 EPYC's cores (2026-12-02, this AVX2 build, scripts/ab_gemv_step.c's
+ * bf16 step against no prefetch, builds alternating) 1.24x at 1 row of x, 1.39x at 4, 1.83x at 8,
+ * 1.45x at 16; 96 k gave 1.15-1.68x. (Not measured on a CPU that has only AVX2.) */
+#define PANEL_AHEAD 192
 
 static inline void panel_bf16(const uint16_t *p, __m256 *lo, __m256 *hi) {
     const __m256i v = _mm256_loadu_si256((const __m256i *)p);
@@ -113,6 +118,7 @@ static inline void panel_f32(const float *p, __m256 *lo, __m256 *hi) {
         for (long k = 0; k < K; k++) {                                                            \
             __m256 lo, hi;                                                                        \
             LOAD(w + k * PANEL, &lo, &hi);                                                        \
+            _mm_prefetch((const char *)(w + (k + PANEL_AHEAD) * PANEL), _MM_HINT_T0);             \
             PANEL_FMA(0) PANEL_FMA(1) PANEL_FMA(2) PANEL_FMA(3) PANEL_FMA(4) PANEL_FMA(5)         \
         }                                                                                         \
         PANEL_STORE(0) PANEL_STORE(1) PANEL_STORE(2) PANEL_STORE(3) PANEL_STORE(4) PANEL_STORE(5) \
@@ -154,6 +160,13 @@ DEFINE_PACKED_GEMM(gemm_packed_f32, float, panel_f32)
  * two loads of weights. A bfloat16 panel widens with a zero-extension and a shift, which leaves
  * the rows in the packed order (0, 8, 1, 9, ... 7, 15); the store puts them back in order. */
 #define PANEL_MR512 12
+/* How far ahead, in k, a tile asks for its panels' weights: 3 KB a panel, about what the two cores
+ * read from memory in a DRAM latency. A step of a few tokens waits on memory, and neither the
+ * hardware's prefetchers nor the out-of-order window run far enough ahead: on a 2-core Zen 5
+ * EPYC (2026-12-02, scripts/ab_gemv_step.c's bf16 step, builds alternating) 96 k against the
+ * 16 k before ran 1.12x faster at 1 row of x, 1.42x at 4, 1.19x at 8, 1.30-1.40x at 12 and 16,
+ * 1.18x at 32, 1.07x at 64 (48, 64 and 128 k: within a few percent of 96, below it mostly). */
+#define PANEL512_AHEAD 96
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define BF16_DOT 1
 #endif
@@ -194,10 +207,9 @@ static inline __m512 panel512_f32(const float *p) { return _mm512_loadu_ps(p); }
         __m512 c11_1 = c0_0;                                                                      \
         const T *v = w + K * PANEL;                                                               \
         for (long k = 0; k < K; k += KSTEP) {                                                     \
-            /* 16 k on (a hint: past the end it never faults): a step of a few tokens waits on \
-             * memory, and 16 rows ran 1.3x faster than with the hardware prefetcher alone */   \
-            _mm_prefetch((const char *)(w + (k + 16) * PANEL), _MM_HINT_T0);                      \
-            if (NP > 1) _mm_prefetch((const char *)(v + (k + 16) * PANEL), _MM_HINT_T0);          \
+            /* PANEL512_AHEAD k on (a hint: past the end it never faults) */                      \
+            _mm_prefetch((const char *)(w + (k + PANEL512_AHEAD) * PANEL), _MM_HINT_T0);          \
+            if (NP > 1) _mm_prefetch((const char *)(v + (k + PANEL512_AHEAD) * PANEL), _MM_HINT_T0); \
             const __m512 w0 = LOAD(w + k * PANEL), w1 = NP > 1 ? LOAD(v + k * PANEL) : w0;        \
             PANEL512_FMA(0, BCAST, MADD) PANEL512_FMA(1, BCAST, MADD) PANEL512_FMA(2, BCAST, MADD) \
             PANEL512_FMA(3, BCAST, MADD) PANEL512_FMA(4, BCAST, MADD) PANEL512_FMA(5, BCAST, MADD) \
@@ -228,15 +240,19 @@ static inline __m512 panel512_f32(const float *p) { return _mm512_loadu_ps(p); }
     case 1: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 1, NP); break;                  \
     }
 
-/* Pairs of panels across the OpenMP threads, the last one alone where their number is odd, or
- * single panels where there are fewer than two pairs a thread (many cores, few rows of w: the
- * threads then share the work more evenly), each against every row of x (on the CPUs that have
- * AVX-512, x's rows fit the L2 cache, and blocks of 96 rows measured the same). */
+/* Pairs of panels across the OpenMP threads, the last one alone where their number is odd, each
+ * against every row of x (on the CPUs that have AVX-512, x's rows fit the L2 cache, and blocks of
+ * 96 rows measured the same); single panels where one tile takes all of x's rows (a step of at
+ * most PANEL_MR512 tokens, bound by reading the weights: each thread then reads one stream, and
+ * the bf16 step of 1-12 rows ran 1.08-1.18x faster so on the Zen 5 EPYC, 0.91x at 16 rows, where
+ * twice the broadcasts of x cost more), or where there are fewer than two pairs a thread (many
+ * cores, few rows of w: the threads then share the work more evenly). */
 #define DEFINE_PACKED_GEMM512(NAME, T, XT, LOAD, BCAST, MADD, KSTEP, ORDER)                       \
     DEFINE_PANEL512_TILE(NAME##_tile, T, XT, LOAD, BCAST, MADD, KSTEP, ORDER)                     \
     void NAME(const XT *x, const T *w, float *y, long M, long N, long K) {                        \
         const long panels = (N + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;                    \
-        const long per = pairs >= 2 * omp_get_max_threads() ? 2 : 1, units = per == 2 ? pairs : panels; \
+        const long per = M > PANEL_MR512 && pairs >= 2 * omp_get_max_threads() ? 2 : 1;           \
+        const long units = per == 2 ? pairs : panels;                                             \
         const long m1 = M;  /* PANEL512_ROWS's end */                                             \
         _Pragma("omp parallel for schedule(static) if (units > 1)")                               \
         for (long u = 0; u < units; u++) {                                                        \
