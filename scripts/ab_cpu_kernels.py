@@ -6,6 +6,7 @@ alternating call by call, so that a shared machine's drift hits every build alik
     python scripts/ab_cpu_kernels.py --kernel attention --context 3500 --variant HEAD --variant /tmp/v.c
     python scripts/ab_cpu_kernels.py --kernel gemv-step --rows 1 --variant HEAD~ --variant HEAD
     python scripts/ab_cpu_kernels.py --kernel gemv-step --dtype bfloat16 --rows 8 --variant HEAD~ --variant HEAD
+    python scripts/ab_cpu_kernels.py --kernel gemv-step --both --rows 3 --variant HEAD
 
 Each variant is a C file or a git revision (its csrc/cpu_kernels.c), built into a library of its
 own with the flags cpu_kernels.py uses; every variant must have the current kernels' interface
@@ -19,7 +20,8 @@ K and V from memory. Prints each variant's best and median seconds and
 its median's ratio to the first's. The times include the Python wrappers' cost per call (tens of
 microseconds, the same for every variant, so ratios come out a little smaller than the kernels').
 `gemv-step` runs the `gemv` workload's quantized GEMVs (Q4_1 layers, the Q8_0 head), or with
-`--dtype bfloat16` its packed bfloat16 GEMMs (up to 256 rows), from C instead
+`--dtype bfloat16` its packed bfloat16 GEMMs (up to 256 rows), or with `--both` each variant both
+ways (which of the two a step of --rows tokens should read: model_runner.QUANT_MAX_TOKENS), from C instead
 (scripts/ab_gemv_step.c: no Python between calls, as in the C step); where a change is in how a
 call walks its rows, the Python wrappers' time and the idle thread between calls can hide it.
 Give the same variant twice to see this machine's noise (an A/A pair within a few percent says
@@ -108,7 +110,7 @@ def attention_workload(args, gen: torch.Generator):
 
 def gemv_step(args) -> int:
     """The gemv workload from C: scripts/ab_gemv_step.c over each variant's library."""
-    if args.dtype not in (None, "bfloat16") or args.quant not in ("q4_1", None):
+    if args.dtype not in (None, "bfloat16") or args.quant not in ("q4_1", None) or (args.both and args.dtype):
         raise SystemExit("--kernel gemv-step times the default model's blocks (Q4_1 layers, the Q8_0 head) "
                          "or its bfloat16 weights (--dtype bfloat16)")
     with tempfile.TemporaryDirectory() as out_dir:
@@ -116,10 +118,13 @@ def gemv_step(args) -> int:
         harness = os.path.join(out_dir, "ab_gemv_step")
         subprocess.run([cpu_kernels._compiler(), "-O2", os.path.join(ROOT, "scripts", "ab_gemv_step.c"),
                         "-ldl", "-o", harness], check=True)
-        what = "packed bfloat16 weights" if args.dtype else "q4_1 layers and the q8_0 head"
+        what = ("q4_1 layers and the q8_0 head, then packed bfloat16 weights" if args.both
+                else "packed bfloat16 weights" if args.dtype else "q4_1 layers and the q8_0 head")
         print(f"gemv-step: {what}, {args.rows} rows, from C, {args.rounds} rounds")
-        env = {**os.environ, "M": str(args.rows), "PASSES": str(args.rounds), "BF16": "1" if args.dtype else "0"}
-        run = subprocess.run([harness, *libs], env=env, capture_output=True, text=True)
+        runs = [lib for lib in libs for _ in range(2)] if args.both else libs
+        flags = ",".join("0,1" for _ in libs) if args.both else "1" if args.dtype else "0"
+        env = {**os.environ, "M": str(args.rows), "PASSES": str(args.rounds), "BF16": flags}
+        run = subprocess.run([harness, *runs], env=env, capture_output=True, text=True)
         if run.returncode:
             raise SystemExit(f"ab_gemv_step failed: {run.stderr.strip()}")
         out = run.stdout
@@ -142,6 +147,8 @@ def main() -> None:
     parser.add_argument("--kv-dtype", choices=["float16", "float32"], default="float16", help="attention: the caches'")
     parser.add_argument("--scattered", action="store_true",
                         help="attention: the blocks in random order (else each sequence's in order, as a prompt's)")
+    parser.add_argument("--both", action="store_true",
+                        help="gemv-step: each variant's q4_1 blocks and its packed bfloat16 GEMM, alternating")
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
     if args.dtype:
