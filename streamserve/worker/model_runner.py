@@ -50,7 +50,7 @@ C_STEP_MAX_TOKENS = 256
 # quantized GEMV's 256-bit integer arithmetic: on a 2-core Zen 5 EPYC (2026-12-02, since the
 # panels' prefetch distance; `scripts/ab_cpu_kernels.py --kernel gemv-step --both`, the two over
 # the default model's shapes alternating, three runs) Q4_1 was 2.0x the bfloat16 GEMM at one
-# token, 1.1-1.44x at two, 0.95-1.13x at three and 0.75-0.8x at four; the default model's decode
+# token, 1.1-1.44x at two, 0.88-1.03x at three and 0.75-0.8x at four; the default model's decode
 # step at batch 3 1.03-1.07x and at batch 4 1.02-1.23x faster from the bfloat16 copies (which are
 # also the checkpoint's own weights).
 QUANT_MAX_TOKENS = 4  # where the layers keep half-size copies
