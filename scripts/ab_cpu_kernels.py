@@ -110,9 +110,11 @@ def attention_workload(args, gen: torch.Generator):
 
 def gemv_step(args) -> int:
     """The gemv workload from C: scripts/ab_gemv_step.c over each variant's library."""
-    if args.dtype not in (None, "bfloat16") or args.quant not in ("q4_1", None) or (args.both and args.dtype):
+    if args.dtype not in (None, "bfloat16") or args.quant not in ("q4_1", None):
         raise SystemExit("--kernel gemv-step times the default model's blocks (Q4_1 layers, the Q8_0 head) "
                          "or its bfloat16 weights (--dtype bfloat16)")
+    if args.both and args.dtype:
+        raise SystemExit("--both times the blocks and the bfloat16 weights itself: no --dtype")
     with tempfile.TemporaryDirectory() as out_dir:
         libs = [build_library(v, out_dir, i) for i, v in enumerate(args.variant)]
         harness = os.path.join(out_dir, "ab_gemv_step")
@@ -155,6 +157,8 @@ def main() -> None:
         args.quant = None
     if args.kernel == "gemv-step":
         return gemv_step(args)
+    if args.both:
+        raise SystemExit("--both is for --kernel gemv-step")
     with tempfile.TemporaryDirectory() as out_dir:
         builds = [build(v, out_dir, i) for i, v in enumerate(args.variant)]
         gen = torch.Generator().manual_seed(0)
