@@ -46,15 +46,12 @@ C_STEP_MAX_TOKENS = 256
 # packed GEMM over the same weights in one process) Q4_1 / Q4_0 are 2.4x / 1.8x the bfloat16
 # GEMM at one token, 1.25x at four, 0.9-1.0x at eight; Q8_0 and Q4_K (Llama-3.2-1B's shapes)
 # 1.3-1.4x at four. Against float32 weights they are 1.5-1.7x at eight.
-# Where the C GEMM reads 512-bit vectors (AVX-512), its bfloat16 panels stream faster against the
-# quantized GEMV's 256-bit integer arithmetic: on a 2-core Zen 5 EPYC (2026-12-02, since the
-# panels' prefetch distance; `scripts/ab_cpu_kernels.py --kernel gemv-step --both`, the two over
-# the default model's shapes alternating, three runs) Q4_1 was 2.0x the bfloat16 GEMM at one
-# token, 1.1-1.44x at two, 0.88-1.03x at three and 0.75-0.8x at four; the default model's decode
-# step at batch 3 1.03-1.07x and at batch 4 1.02-1.23x faster from the bfloat16 copies (which are
-# also the checkpoint's own weights).
+# On a 2-core Zen 5 EPYC (AVX-512, 2026-12-02), with the bf16 panels prefetched far ahead and the
+# quantized pairs taken in 512-bit vectors, the default model's decode step read from the blocks
+# at batch 3 1.18-1.38x and at batch 4 1.14-1.22x faster than from the bfloat16 copies, and 0.75-0.9x
+# at batch 5 (`scripts/profile_step.py`, alternating runs; `ab_cpu_kernels.py --kernel gemv-step
+# --both` compares the two kernels alone).
 QUANT_MAX_TOKENS = 4  # where the layers keep half-size copies
-QUANT_MAX_TOKENS_512 = 2  # the same, where the C kernels are built for AVX-512
 QUANT_MAX_TOKENS_FLOAT32 = 8  # where they read float32 weights (a float32 checkpoint)
 # The most KV splits a decode sequence gets in the Triton split-KV kernel (its workspace size).
 MAX_DECODE_SPLITS = 16
@@ -161,9 +158,7 @@ class ModelRunner:
             logger.info("computing in float32, with %s weight copies read by torch for steps of at most %d tokens",
                         half, LOW_PRECISION_MAX_TOKENS)
             self.model.keep_copies(low_precision)
-        wide = self.c_kernels is not None and self.c_kernels.vector_bits == 512
-        self.quant_max_tokens = QUANT_MAX_TOKENS_FLOAT32 if low_precision is None else \
-            QUANT_MAX_TOKENS_512 if wide else QUANT_MAX_TOKENS
+        self.quant_max_tokens = QUANT_MAX_TOKENS if low_precision is not None else QUANT_MAX_TOKENS_FLOAT32
         if self.c_kernels is not None:
             self._keep_quantized(config.model.model)
         if self.device.type == "cpu":

@@ -518,6 +518,29 @@ static inline __m256i dot_pair_of(__m256i w0, __m256i w1, __m256i w2, __m256i w3
 /* A pair's bytes come in chunks of 16, eight of each block (cpu_kernels.py: _group), so widening
  * a chunk to int16 puts the first block's in the low 128-bit lane and the second's in the high
  * one. 4-bit pairs: a block's byte j holds its weights j and j + 16. */
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* With AVX-512, two chunks widen into one vector whose four 128-bit lanes are the two 256-bit
+ * vectors' lanes in order, and so are 32 values of x: a pair takes half the instructions. The
+ * 512-bit sums' halves added give the 256-bit layout (4 lanes a block), the same integers. On a
+ * 2-core Zen 5 EPYC (2026-12-02, `ab_cpu_kernels.py --kernel gemv-step`, builds alternating) the
+ * default model's Q4_1 / Q8_0 step 1.06x faster at one vector, 1.17x at two, 1.14x at three, 1.16x
+ * at four. */
+static inline __m256i fold_halves(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+static inline __m256i dot_pair_q4(const uint8_t *w, const int16_t *x) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)w));
+    const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi16(15)), hi = _mm512_srli_epi16(v, 4);
+    return fold_halves(_mm512_dpwssd_epi32(_mm512_madd_epi16(lo, _mm512_loadu_si512(x)), hi,
+                                           _mm512_loadu_si512(x + 32)));
+}
+static inline __m256i dot_pair_q8(const uint8_t *w, const int16_t *x) {
+    const __m512i v0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w));
+    const __m512i v1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + 32)));
+    return fold_halves(_mm512_dpwssd_epi32(_mm512_madd_epi16(v0, _mm512_loadu_si512(x)), v1,
+                                           _mm512_loadu_si512(x + 32)));
+}
+#else
 static inline __m256i dot_pair_q4(const uint8_t *w, const int16_t *x) {
     const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));
     const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 16)));
@@ -531,6 +554,7 @@ static inline __m256i dot_pair_q8(const uint8_t *w, const int16_t *x) {
     return dot_pair_of(_mm256_cvtepi8_epi16(_mm_loadu_si128(c)), _mm256_cvtepi8_epi16(_mm_loadu_si128(c + 1)),
                        _mm256_cvtepi8_epi16(_mm_loadu_si128(c + 2)), _mm256_cvtepi8_epi16(_mm_loadu_si128(c + 3)), x);
 }
+#endif
 
 /* A group's header: its 8 lanes' scales d and minima m (as the weights read w = d * q + m). */
 static inline void scales_q4_0(const uint8_t *G, __m256 *d, __m256 *m) {
