@@ -135,8 +135,8 @@ QUANT_SHAPES = [(kind, n, k) for kind in BLOCKS
                 if k % BLOCKS[kind][0] == 0]
 
 
-# the quantized GEMV's builds: on an AVX-512 CPU the native one (with vpdpwssd where it has
-# AVX512-VNNI) and the AVX2 one
+# the quantized GEMV's builds: on an AVX-512 CPU the native one (with 512-bit pairs where it has
+# AVX512-BW and AVX512-VNNI) and the AVX2 one
 QUANT_BUILDS = BUILDS[:2]
 
 

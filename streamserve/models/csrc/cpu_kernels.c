@@ -496,25 +496,6 @@ static int quantize_x(const float *x, long M, long K, QuantX *q) {
     return 0;
 }
 
-/* A pair of blocks of weights w, as four vectors of 16 int16 (values 0-7, 8-15, 16-23, 24-31 of
- * both blocks: the first's in the low 128-bit lane, the second's in the high one), against the
- * vector's pair x (laid out the same way): 8 int32 lanes, 4 a block. vpmaddwd adds the products in
- * pairs, exactly: |q| <= 15 (or 128) times |x| <= 32767, twice, and eight such pairs a lane. */
-static inline __m256i dot_pair_of(__m256i w0, __m256i w1, __m256i w2, __m256i w3, const int16_t *x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    /* vpdpwssd: the same products and pairwise sums, added to an accumulator in one instruction */
-    const __m256i a = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x));
-    const __m256i b = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
-    return _mm256_add_epi32(_mm256_dpwssd_epi32(a, w2, _mm256_loadu_si256((const __m256i *)(x + 32))),
-                            _mm256_dpwssd_epi32(b, w3, _mm256_loadu_si256((const __m256i *)(x + 48))));
-#else
-    const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x));
-    const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
-    const __m256i p2 = _mm256_madd_epi16(w2, _mm256_loadu_si256((const __m256i *)(x + 32)));
-    const __m256i p3 = _mm256_madd_epi16(w3, _mm256_loadu_si256((const __m256i *)(x + 48)));
-    return _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3));
-#endif
-}
 /* A pair's bytes come in chunks of 16, eight of each block (cpu_kernels.py: _group), so widening
  * a chunk to int16 puts the first block's in the low 128-bit lane and the second's in the high
  * one. 4-bit pairs: a block's byte j holds its weights j and j + 16. */
@@ -541,6 +522,17 @@ static inline __m256i dot_pair_q8(const uint8_t *w, const int16_t *x) {
                                            _mm512_loadu_si512(x + 32)));
 }
 #else
+/* A pair of blocks of weights w, as four vectors of 16 int16 (values 0-7, 8-15, 16-23, 24-31 of
+ * both blocks: the first's in the low 128-bit lane, the second's in the high one), against the
+ * vector's pair x (laid out the same way): 8 int32 lanes, 4 a block. vpmaddwd adds the products in
+ * pairs, exactly: |q| <= 15 (or 128) times |x| <= 32767, twice, and eight such pairs a lane. */
+static inline __m256i dot_pair_of(__m256i w0, __m256i w1, __m256i w2, __m256i w3, const int16_t *x) {
+    const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)x));
+    const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(x + 16)));
+    const __m256i p2 = _mm256_madd_epi16(w2, _mm256_loadu_si256((const __m256i *)(x + 32)));
+    const __m256i p3 = _mm256_madd_epi16(w3, _mm256_loadu_si256((const __m256i *)(x + 48)));
+    return _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3));
+}
 static inline __m256i dot_pair_q4(const uint8_t *w, const int16_t *x) {
     const __m256i v0 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w));
     const __m256i v1 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(w + 16)));
@@ -597,7 +589,7 @@ static inline void scales_q4_k(const uint8_t *G, __m256 *d, __m256 *m) {
  * four pairs, their sums in 8 lanes, and those times d * sx plus m * xsum into an accumulator
  * of 8 lanes. The MR x NR accumulators stay in registers (MR, NR constants at every call, the
  * loops over them unrolled: GCC kept them as loops, with the accumulators on the stack; with
- * vpdpwssd, 1.07-1.11x at 3 and 8 vectors on a Zen 4, and no change on the AVX2 build);
+ * 256-bit vpdpwssd, 1.07-1.11x at 3 and 8 vectors on a Zen 4, and no change on the AVX2 build);
  * `ahead`, when set, is prefetched (the next rows, for the memory-bound single-vector case). */
 #define DEFINE_QTILE(NAME, HEADER, PAIR, SCALES, DOT_PAIR, HAS_MINIMUM)                           \
     static inline __attribute__((always_inline)) void NAME(                                       \
