@@ -43,39 +43,41 @@ KV_CACHE_DTYPES = (torch.float32, torch.float16)
 
 
 class PackedWeight(NamedTuple):
-    """A linear weight [N, K] as the C GEMM reads it (pack_weight): `panels` [ceil(N / 16), K, 16]."""
+    """A linear weight [N, K] as the C GEMM reads it (pack_weight): `panels` [ceil(N / 16), K, 16],
+    bfloat16 ones [ceil(N / 16), ceil(K / 2), 16, 2]."""
 
     panels: torch.Tensor
     out_features: int
+    in_features: int
 
     @property
     def dtype(self) -> torch.dtype:
         return self.panels.dtype
 
 
-def _places(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Where rows (0-15) of a panel lie among the 16 weights of one k: in order, but bfloat16
-    ones interleaved (rows 0-7 in the even places, 8-15 in the odd) so that a shift and a mask
-    widen them in order (csrc/cpu_kernels.c: panel_bf16)."""
-    half = PANEL // 2
-    return 2 * (rows % half) + rows // half if dtype == torch.bfloat16 else rows
+def packed_shape(n: int, k: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """The panels' shape for a weight [n, k] of `dtype` (pack_weight)."""
+    panels = -(-n // PANEL)
+    return (panels, -(-k // 2), PANEL, 2) if dtype == torch.bfloat16 else (panels, k, PANEL)
 
 
 def pack_weight(w: torch.Tensor) -> PackedWeight:
     """w [N, K] (float32, bfloat16 or float16) in panels of 16 rows, k-major, the last padded
-    with zero rows: the 16 weights of one k of a panel lie side by side (_places)."""
+    with zero rows: the 16 weights of one k of a panel lie side by side, in row order; bfloat16
+    ones in pairs of k (k, k + 1) a row, an odd K padded with a zero column (csrc/cpu_kernels.c:
+    the layout AMX's tiles and VDPBF16PS read as it lies)."""
     n, k = w.shape
-    panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=w.dtype)
-    padded[:n] = w
-    packed = torch.empty(panels, k, PANEL, dtype=w.dtype)
-    packed[:, :, _places(torch.arange(PANEL), w.dtype)] = padded.view(panels, PANEL, k).transpose(1, 2)
-    return PackedWeight(packed, n)
+    shape = packed_shape(n, k, w.dtype)
+    padded = torch.zeros(shape[0] * PANEL, shape[1] * (2 if w.dtype == torch.bfloat16 else 1), dtype=w.dtype)
+    padded[:n, :k] = w
+    packed = padded.view(shape[0], PANEL, shape[1], -1).transpose(1, 2).contiguous()
+    return PackedWeight(packed.view(shape), n, k)
 
 
 def packed_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of the weight `w` packs, as float32 [len(ids), K] (an embedding lookup)."""
-    return w.panels[ids // PANEL, :, _places(ids % PANEL, w.dtype)].float()
+    rows = w.panels[ids // PANEL, :, ids % PANEL]  # [len, K] or, bfloat16, [len, K / 2, 2]
+    return rows.reshape(len(ids), -1)[:, :w.in_features].float()
 
 
 class PackedQuant(NamedTuple):
@@ -227,12 +229,15 @@ class CpuKernels:
     and prefill chunks (float32). vector_bits: 512 where the build has the AVX-512 code (the
     GEMM's tiles, the prefill attention's lanes), else 256. bf16_dot_min_rows: where the build
     has AVX512-BF16, from how many rows of x the bfloat16 GEMM rounds them to bfloat16 and
-    takes bfloat16 dot products (twice the FMAs' arithmetic: csrc, gemm_packed_bf16), else 0."""
+    takes bfloat16 dot products (twice the FMAs' arithmetic: csrc, gemm_packed_bf16), else 0.
+    amx_min_rows: likewise where the build has AMX and Linux gave this process its tiles, from how
+    many rows it takes them (the same arithmetic, several times faster), else 0."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         self.vector_bits: int = lib.cpu_kernels_vector_bits()
         self.bf16_dot_min_rows: int = lib.cpu_kernels_bf16_dot_min_rows()
+        self.amx_min_rows: int = lib.cpu_kernels_amx_min_rows()
         self.gemm: dict[torch.dtype, Callable[[torch.Tensor, PackedWeight], torch.Tensor]] = {}
         for dtype, name in ((torch.bfloat16, "gemm_packed_bf16"), (torch.float16, "gemm_packed_f16"),
                             (torch.float32, "gemm_packed_f32")):
@@ -374,10 +379,13 @@ def _wrap_gemm(fn, dtype: torch.dtype):
     def gemm(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         x = x.contiguous()
         m, k = x.shape
-        if x.dtype != torch.float32 or w.dtype != dtype or w.panels.shape[1:] != (k, PANEL):
+        if (x.dtype != torch.float32 or w.dtype != dtype or w.in_features != k
+                or w.panels.shape != packed_shape(w.out_features, k, dtype)):
             raise ValueError(f"the packed GEMM for {dtype} takes float32 x [M, K] and {dtype} panels "
-                             f"[P, K, {PANEL}]; got x {x.dtype} {tuple(x.shape)}, panels {w.dtype} "
-                             f"{tuple(w.panels.shape)}")
+                             f"{list(packed_shape(w.out_features, k, dtype))}; got x {x.dtype} {tuple(x.shape)}, "
+                             f"panels {w.dtype} {tuple(w.panels.shape)}")
+        if k % 2 and dtype == torch.bfloat16:  # the pairs' padding column, against a zero of x's
+            x, k = torch.nn.functional.pad(x, (0, 1)), k + 1
         y = torch.empty(m, w.out_features)
         fn(x.data_ptr(), w.panels.data_ptr(), y.data_ptr(), m, w.out_features, k)
         return y
@@ -514,6 +522,8 @@ class StepForward:
             if any(lin.packed is None or lin.packed.dtype not in _WEIGHT_DTYPES for lin in linears) \
                     or any(lin.bias is not None for lin in linears[1:]):
                 return "its linear weights are not all packed float32, bfloat16 or float16, without bias"
+            if any(lin.packed.dtype == torch.bfloat16 and lin.in_features % 2 for lin in linears):
+                return "a bfloat16 weight has an odd number of columns (the C GEMM reads them in pairs)"
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in floats):
             return "it does not compute in float32 on the CPU"
         return None

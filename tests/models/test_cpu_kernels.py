@@ -39,6 +39,10 @@ def has_bf16_dot() -> bool:
     return "avx512_bf16" in cpu_flags()
 
 
+def has_amx() -> bool:
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags()
+
+
 # The build without the bfloat16 dot products where this CPU has them: its GEMM keeps x in
 # float32 at every size, so a model's outputs match transformers' float32 ones to 1e-4.
 FLOAT32_X = ("-mno-avx512bf16",) if kernels is not None and has_bf16_dot() else ()
@@ -59,10 +63,11 @@ def built(flags: tuple[str, ...]) -> cpu_kernels.CpuKernels:
 @pytest.mark.parametrize("build", BUILDS)
 def test_each_build_runs_the_code_it_is_tested_for(build):
     """The native build of an AVX-512 CPU has the 512-bit code and the -mno-avx512f one the 256-bit
-    code, and only the native build of an AVX512-BF16 CPU takes bfloat16 dot products, so the
-    tests of every build test each."""
+    code, and only the native build of an AVX512-BF16 CPU takes bfloat16 dot products (and of an
+    AMX one, AMX's tiles), so the tests of every build test each."""
     assert built(build).vector_bits == (256 if not has_avx512() or "-mno-avx512f" in build else 512)
     assert built(build).bf16_dot_min_rows == (6 if has_bf16_dot() and not build else 0)
+    assert built(build).amx_min_rows == (8 if has_amx() and not build else 0)
 
 
 @needs_kernel
@@ -79,15 +84,34 @@ def test_packed_gemm_matches_float64(build, dtype, m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(n, k, generator=gen).to(dtype)
+    assert_packed_gemm(built(build), x, w)
+
+
+def assert_packed_gemm(lib: cpu_kernels.CpuKernels, x: torch.Tensor, w: torch.Tensor) -> None:
+    """lib's packed GEMM of x [m, k] and w [n, k] matches float64 math on x as that size of step
+    takes it: rounded to bfloat16 where the GEMM takes bfloat16 dot products (or AMX's tiles, the
+    same arithmetic), else as it is."""
+    (m, k), n = x.shape, w.shape[0]
     packed = cpu_kernels.pack_weight(w)
-    assert packed.panels.shape == (-(-n // 16), k, 16) and packed.out_features == n
-    lib = built(build)
-    y = lib.gemm[dtype](x, packed)
+    assert packed.panels.shape == cpu_kernels.packed_shape(n, k, w.dtype) and packed.out_features == n
+    y = lib.gemm[w.dtype](x, packed)
     # the bfloat16 dot products take x rounded to bfloat16, and nothing else rounded
-    dot = dtype == torch.bfloat16 and lib.bf16_dot_min_rows and m >= lib.bf16_dot_min_rows and k % 2 == 0
+    dot = w.dtype == torch.bfloat16 and lib.bf16_dot_min_rows and m >= lib.bf16_dot_min_rows
     ref = (x.bfloat16() if dot else x).double() @ w.double().t()
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+@pytest.mark.skipif(kernels is None or not kernels.amx_min_rows, reason="the CPU has no AMX (or Linux did not "
+                    "give this process its tiles)")
+# a part-filled tile of rows, one, a part-filled second, two, two and part of a third, more than a pass of 512 rows
+@pytest.mark.parametrize("m", [8, 13, 16, 17, 31, 32, 33, 47, 97, 530])
+# one panel, a part-filled one, pairs of panels, a pair then a lone panel, a lone part-filled
+# panel after pairs; one tile of k (32) and several; a K that is no multiple of 32 (the dot products)
+@pytest.mark.parametrize("n,k", [(16, 64), (5, 32), (48, 32), (37, 96), (129, 576), (64, 48)])
+def test_amx_gemm_matches_float64(m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    assert_packed_gemm(kernels, torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen).bfloat16())
 
 
 @needs_kernel
@@ -112,15 +136,17 @@ def test_packed_rows_are_the_weights_rows(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_pack_weight_layout(dtype):
-    """Row n, column k of w at panel n // 16, row k, place j = n % 16 (bfloat16: 2 * (j % 8) + j // 8,
-    the two halves of each 32-bit lane); the last panel's rows past N are zeros."""
+    """Row n, column k of w at panel n // 16, row k, place n % 16; bfloat16: at panel n // 16,
+    pair k // 2, place n % 16, half k % 2 (an odd K's last pair padded with a zero); the last
+    panel's rows past N are zeros."""
     w = torch.randn(37, 9).to(dtype)
     panels = cpu_kernels.pack_weight(w).panels
     for n in range(48):
-        j = n % 16
-        place = 2 * (j % 8) + j // 8 if dtype == torch.bfloat16 else j
         want = w[n] if n < 37 else torch.zeros(9, dtype=dtype)
-        assert torch.equal(panels[n // 16, :, place], want), n
+        if dtype == torch.bfloat16:
+            assert torch.equal(panels[n // 16, :, n % 16].flatten(), torch.cat([want, want.new_zeros(1)])), n
+        else:
+            assert torch.equal(panels[n // 16, :, n % 16], want), n
 
 
 def quantized(kind: str, n: int, k: int, seed: int) -> QuantizedWeight:

@@ -57,12 +57,13 @@ static inline float hmax(__m256 v) {
 /* ---- Float weights, packed in panels -------------------------------------------------------
  *
  * gemm_packed_{bf16,f16,f32}: y = x @ w.T, x float32 [M, K], y float32 [M, N], with w [N, K]
- * packed (cpu_kernels.py: pack_weight) into panels of 16 rows, k-major: [ceil(N / 16), K, 16],
- * the last panel padded with zeros. Each 16 weights of one k are 32 bytes in a row: a
- * bfloat16 panel keeps rows 0-7 in the even and rows 8-15 in the odd halves of its 32-bit
- * lanes, so a shift and a mask widen them into two vectors of 8 float32 (float16: F16C over
- * two halves, in order; float32: two loads). For MR rows of x at a time, the tile takes each k
- * as a broadcast of x[m, k] times those two vectors into 2 x MR accumulators that are the
+ * packed (cpu_kernels.py: pack_weight) into panels of 16 rows, k-major, the last panel padded
+ * with zeros: float16 and float32 ones [ceil(N / 16), K, 16], each 16 weights of one k side by
+ * side; bfloat16 ones [ceil(N / 16), K / 2, 16, 2] (K even: the Python side pads an odd K), the
+ * 16 rows' weights of k and k + 1 as pairs, one pair a 32-bit lane, rows in order (the layout
+ * AMX and VDPBF16PS take as it is; a shift or a mask widens a pair's k or k + 1 into float32).
+ * For MR rows of x at a time, the tile takes each k as a broadcast of x[m, k] times the panel's
+ * 16 weights of that k as two vectors of 8 float32, into 2 x MR accumulators that are the
  * outputs themselves (no horizontal sums), 12 of the 16 registers at MR = 6: per k, 12 FMAs
  * against 7 loads, so the FMA units set the pace. On this project's 2-core AVX2 machine that is
  * ~85% of the cores' FMA peak from 16 rows of x up, where the dot-product tiles it replaced
@@ -77,24 +78,27 @@ static inline float hmax(__m256 v) {
  * 1.45x at 16; 96 k gave 1.15-1.68x. (Not measured on a CPU that has only AVX2.) */
 #define PANEL_AHEAD 192
 
-static inline void panel_bf16(const uint16_t *p, __m256 *lo, __m256 *hi) {
-    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
-    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000)));
+/* A bfloat16 panel's weights of k + s (s 0 or 1) from its pairs of k and k + 1 at p: rows 0-7
+ * (lo) and 8-15 (hi), widened by a shift (the pair's low half) or a mask (its high half). */
+static inline void panel_bf16(const uint16_t *p, int s, __m256 *lo, __m256 *hi) {
+    const __m256i a = _mm256_loadu_si256((const __m256i *)p), b = _mm256_loadu_si256((const __m256i *)(p + 16));
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000);
+    *lo = _mm256_castsi256_ps(s ? _mm256_and_si256(a, high) : _mm256_slli_epi32(a, 16));
+    *hi = _mm256_castsi256_ps(s ? _mm256_and_si256(b, high) : _mm256_slli_epi32(b, 16));
 }
 
-static inline void panel_f16(const uint16_t *p, __m256 *lo, __m256 *hi) {
-    *lo = widen_f16(p), *hi = widen_f16(p + 8);
+static inline void panel_f16(const uint16_t *p, int s, __m256 *lo, __m256 *hi) {
+    (void)s, *lo = widen_f16(p), *hi = widen_f16(p + 8);
 }
 
-static inline void panel_f32(const float *p, __m256 *lo, __m256 *hi) {
-    *lo = _mm256_loadu_ps(p), *hi = _mm256_loadu_ps(p + 8);
+static inline void panel_f32(const float *p, int s, __m256 *lo, __m256 *hi) {
+    (void)s, *lo = _mm256_loadu_ps(p), *hi = _mm256_loadu_ps(p + 8);
 }
 
 /* The accumulators as named variables (in an array, GCC stored them to the stack every k). */
-#define PANEL_FMA(i)                                                                              \
+#define PANEL_FMA(i, kk)                                                                          \
     if (MR > i) {                                                                                 \
-        const __m256 b = _mm256_broadcast_ss(x + i * K + k);                                      \
+        const __m256 b = _mm256_broadcast_ss(x + i * K + (kk));                                   \
         c##i##0 = _mm256_fmadd_ps(b, lo, c##i##0), c##i##1 = _mm256_fmadd_ps(b, hi, c##i##1);    \
     }
 #define PANEL_STORE(i)                                                                            \
@@ -109,25 +113,29 @@ static inline void panel_f32(const float *p, __m256 *lo, __m256 *hi) {
     }
 
 /* MR (<= PANEL_MR, a constant at every call) rows of x (K apart) against one panel, into the
- * panel's `cols` columns of y (rows N apart). */
-#define DEFINE_PANEL_TILE(NAME, T, LOAD)                                                          \
+ * panel's `cols` columns of y (rows N apart), KSTEP k at a time: LOAD(p, s, &lo, &hi) the
+ * panel's weights of k + s from the KSTEP k's at p. */
+#define DEFINE_PANEL_TILE(NAME, T, LOAD, KSTEP)                                                   \
     static inline __attribute__((always_inline)) void NAME(                                       \
         const float *x, const T *w, float *y, long K, long N, long cols, const int MR) {           \
         __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;   \
         __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;                   \
-        for (long k = 0; k < K; k++) {                                                            \
-            __m256 lo, hi;                                                                        \
-            LOAD(w + k * PANEL, &lo, &hi);                                                        \
+        for (long k = 0; k < K; k += KSTEP) {                                                     \
             _mm_prefetch((const char *)(w + (k + PANEL_AHEAD) * PANEL), _MM_HINT_T0);             \
-            PANEL_FMA(0) PANEL_FMA(1) PANEL_FMA(2) PANEL_FMA(3) PANEL_FMA(4) PANEL_FMA(5)         \
+            for (int s = 0; s < KSTEP; s++) {                                                     \
+                __m256 lo, hi;                                                                    \
+                LOAD(w + k * PANEL, s, &lo, &hi);                                                 \
+                PANEL_FMA(0, k + s) PANEL_FMA(1, k + s) PANEL_FMA(2, k + s)                       \
+                PANEL_FMA(3, k + s) PANEL_FMA(4, k + s) PANEL_FMA(5, k + s)                       \
+            }                                                                                     \
         }                                                                                         \
         PANEL_STORE(0) PANEL_STORE(1) PANEL_STORE(2) PANEL_STORE(3) PANEL_STORE(4) PANEL_STORE(5) \
     }
 
 /* Panels across the OpenMP threads (the same runtime torch uses), for rows of x in blocks of
  * 96 (a block's rows stay in the cache while every panel passes them). */
-#define DEFINE_PACKED_GEMM(NAME, T, LOAD)                                                         \
-    DEFINE_PANEL_TILE(NAME##_tile, T, LOAD)                                                       \
+#define DEFINE_PACKED_GEMM(NAME, T, LOAD, KSTEP)                                                  \
+    DEFINE_PANEL_TILE(NAME##_tile, T, LOAD, KSTEP)                                                \
     void NAME(const float *x, const T *w, float *y, long M, long N, long K) {                     \
         const long panels = (N + PANEL - 1) / PANEL;                                              \
         for (long m0 = 0; m0 < M; m0 += 16 * PANEL_MR) {                                          \
@@ -150,15 +158,15 @@ static inline void panel_f32(const float *p, __m256 *lo, __m256 *hi) {
     }
 
 #ifndef __AVX512F__
-DEFINE_PACKED_GEMM(gemm_packed_bf16, uint16_t, panel_bf16)
-DEFINE_PACKED_GEMM(gemm_packed_f16, uint16_t, panel_f16)
-DEFINE_PACKED_GEMM(gemm_packed_f32, float, panel_f32)
+DEFINE_PACKED_GEMM(gemm_packed_bf16, uint16_t, panel_bf16, 2)
+DEFINE_PACKED_GEMM(gemm_packed_f16, uint16_t, panel_f16, 1)
+DEFINE_PACKED_GEMM(gemm_packed_f32, float, panel_f32, 1)
 #else
 /* With AVX-512 (built with -march=native on such a CPU) the same layout, a panel's 16 weights
  * of one k in one 512-bit vector, and two panels at a time against up to 12 rows of x: 24 of
  * the 32 registers accumulate, per k 24 FMAs (each with its broadcast of x folded in) against
- * two loads of weights. A bfloat16 panel widens with a zero-extension and a shift, which leaves
- * the rows in the packed order (0, 8, 1, 9, ... 7, 15); the store puts them back in order. */
+ * two loads of weights (a bfloat16 panel's: one load of a pair of k, widened by a shift for k
+ * and by a mask for k + 1). */
 #define PANEL_MR512 12
 /* How far ahead, in k, a tile asks for its panels' weights: 3 KB a panel, about what the two cores
  * read from memory in a DRAM latency. A step of a few tokens waits on memory, and neither the
@@ -171,33 +179,34 @@ DEFINE_PACKED_GEMM(gemm_packed_f32, float, panel_f32)
 #define BF16_DOT 1
 #endif
 
-static inline __m512 panel512_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+static inline __m512 panel512_bf16(const uint16_t *p, int s) {
+    const __m512i v = _mm512_loadu_si512(p);
+    return _mm512_castsi512_ps(s ? _mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000)) : _mm512_slli_epi32(v, 16));
 }
 
-static inline __m512 panel512_f16(const uint16_t *p) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+static inline __m512 panel512_f16(const uint16_t *p, int s) {
+    return (void)s, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
-static inline __m512 panel512_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 panel512_f32(const float *p, int s) { return (void)s, _mm512_loadu_ps(p); }
 
-#define PANEL512_FMA(i, BCAST, MADD)                                                              \
+#define PANEL512_FMA(i, kk, BCAST, MADD)                                                          \
     if (MR > i) {                                                                                 \
-        const __m512 b = BCAST(x + i * K + k);                                                    \
+        const __m512 b = BCAST(x + i * K + (kk));                                                 \
         c##i##_0 = MADD(c##i##_0, b, w0);                                                         \
         if (NP > 1) c##i##_1 = MADD(c##i##_1, b, w1);                                             \
     }
-#define PANEL512_STORE(i, ORDER)                                                                  \
+#define PANEL512_STORE(i)                                                                         \
     if (MR > i) {                                                                                 \
-        _mm512_mask_storeu_ps(y + i * N, mask0, ORDER(c##i##_0));                                 \
-        if (NP > 1) _mm512_mask_storeu_ps(y + i * N + PANEL, mask1, ORDER(c##i##_1));             \
+        _mm512_mask_storeu_ps(y + i * N, mask0, c##i##_0);                                        \
+        if (NP > 1) _mm512_mask_storeu_ps(y + i * N + PANEL, mask1, c##i##_1);                    \
     }
 
 /* MR (<= PANEL_MR512) rows of x (XT, K apart) against NP (1 or 2) panels (K * PANEL apart),
- * into the panels' `cols` columns of y (rows N apart), KSTEP k at a time: per KSTEP k, LOAD(p)
- * a panel's weights, BCAST(p) a row's x and MADD(c, b, w) c + b w; ORDER(v) puts a panel's
- * lanes in row order. */
-#define DEFINE_PANEL512_TILE(NAME, T, XT, LOAD, BCAST, MADD, KSTEP, ORDER)                         \
+ * into the panels' `cols` columns of y (rows N apart), KSTEP k at a time in SUB parts: per part
+ * s, LOAD(p, s) a panel's weights from its KSTEP k's at p, BCAST(p) a row's x from p and
+ * MADD(c, b, w) c + b w. */
+#define DEFINE_PANEL512_TILE(NAME, T, XT, LOAD, BCAST, MADD, KSTEP, SUB)                          \
     static inline __attribute__((always_inline)) void NAME(                                       \
         const XT *x, const T *w, float *y, long K, long N, long cols, const int MR, const int NP) { \
         __m512 c0_0 = _mm512_setzero_ps(), c0_1 = c0_0, c1_0 = c0_0, c1_1 = c0_0, c2_0 = c0_0;     \
@@ -210,18 +219,21 @@ static inline __m512 panel512_f32(const float *p) { return _mm512_loadu_ps(p); }
             /* PANEL512_AHEAD k on (a hint: past the end it never faults) */                      \
             _mm_prefetch((const char *)(w + (k + PANEL512_AHEAD) * PANEL), _MM_HINT_T0);          \
             if (NP > 1) _mm_prefetch((const char *)(v + (k + PANEL512_AHEAD) * PANEL), _MM_HINT_T0); \
-            const __m512 w0 = LOAD(w + k * PANEL), w1 = NP > 1 ? LOAD(v + k * PANEL) : w0;        \
-            PANEL512_FMA(0, BCAST, MADD) PANEL512_FMA(1, BCAST, MADD) PANEL512_FMA(2, BCAST, MADD) \
-            PANEL512_FMA(3, BCAST, MADD) PANEL512_FMA(4, BCAST, MADD) PANEL512_FMA(5, BCAST, MADD) \
-            PANEL512_FMA(6, BCAST, MADD) PANEL512_FMA(7, BCAST, MADD) PANEL512_FMA(8, BCAST, MADD) \
-            PANEL512_FMA(9, BCAST, MADD) PANEL512_FMA(10, BCAST, MADD) PANEL512_FMA(11, BCAST, MADD) \
+            for (int s = 0; s < SUB; s++) {                                                       \
+                const __m512 w0 = LOAD(w + k * PANEL, s), w1 = NP > 1 ? LOAD(v + k * PANEL, s) : w0; \
+                PANEL512_FMA(0, k + s, BCAST, MADD) PANEL512_FMA(1, k + s, BCAST, MADD)           \
+                PANEL512_FMA(2, k + s, BCAST, MADD) PANEL512_FMA(3, k + s, BCAST, MADD)           \
+                PANEL512_FMA(4, k + s, BCAST, MADD) PANEL512_FMA(5, k + s, BCAST, MADD)           \
+                PANEL512_FMA(6, k + s, BCAST, MADD) PANEL512_FMA(7, k + s, BCAST, MADD)           \
+                PANEL512_FMA(8, k + s, BCAST, MADD) PANEL512_FMA(9, k + s, BCAST, MADD)           \
+                PANEL512_FMA(10, k + s, BCAST, MADD) PANEL512_FMA(11, k + s, BCAST, MADD)         \
+            }                                                                                     \
         }                                                                                         \
         const long c0 = cols < PANEL ? cols : PANEL, c1 = cols - PANEL;                           \
         const __mmask16 mask0 = (__mmask16)((1u << c0) - 1), mask1 = (__mmask16)(c1 > 0 ? (1u << c1) - 1 : 0); \
-        PANEL512_STORE(0, ORDER) PANEL512_STORE(1, ORDER) PANEL512_STORE(2, ORDER)                \
-        PANEL512_STORE(3, ORDER) PANEL512_STORE(4, ORDER) PANEL512_STORE(5, ORDER)                \
-        PANEL512_STORE(6, ORDER) PANEL512_STORE(7, ORDER) PANEL512_STORE(8, ORDER)                \
-        PANEL512_STORE(9, ORDER) PANEL512_STORE(10, ORDER) PANEL512_STORE(11, ORDER)              \
+        PANEL512_STORE(0) PANEL512_STORE(1) PANEL512_STORE(2) PANEL512_STORE(3) PANEL512_STORE(4) \
+        PANEL512_STORE(5) PANEL512_STORE(6) PANEL512_STORE(7) PANEL512_STORE(8) PANEL512_STORE(9) \
+        PANEL512_STORE(10) PANEL512_STORE(11)                                                     \
     }
 
 #define PANEL512_ROWS(NAME, NP)                                                                   \
@@ -247,8 +259,8 @@ static inline __m512 panel512_f32(const float *p) { return _mm512_loadu_ps(p); }
  * the bf16 step of 1-12 rows ran 1.08-1.18x faster so on the Zen 5 EPYC, 0.91x at 16 rows, where
  * twice the broadcasts of x cost more), or where there are fewer than two pairs a thread (many
  * cores, few rows of w: the threads then share the work more evenly). */
-#define DEFINE_PACKED_GEMM512(NAME, T, XT, LOAD, BCAST, MADD, KSTEP, ORDER)                       \
-    DEFINE_PANEL512_TILE(NAME##_tile, T, XT, LOAD, BCAST, MADD, KSTEP, ORDER)                     \
+#define DEFINE_PACKED_GEMM512(NAME, T, XT, LOAD, BCAST, MADD, KSTEP, SUB)                         \
+    DEFINE_PANEL512_TILE(NAME##_tile, T, XT, LOAD, BCAST, MADD, KSTEP, SUB)                       \
     void NAME(const XT *x, const T *w, float *y, long M, long N, long K) {                        \
         const long panels = (N + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;                    \
         const long per = M > PANEL_MR512 && pairs >= 2 * omp_get_max_threads() ? 2 : 1;           \
@@ -263,19 +275,13 @@ static inline __m512 panel512_f32(const float *p) { return _mm512_loadu_ps(p); }
         }                                                                                         \
     }
 
-/* The bfloat16 panel's lanes hold rows 0, 8, 1, 9, ...: lane 2j row j, lane 2j + 1 row j + 8. */
-static inline __m512 bf16_rows_in_order(__m512 v) {
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15), v);
-}
-#define IN_ORDER(v) (v)
 #define BCAST_F32(p) _mm512_set1_ps(*(p))
 #define FMADD512(c, b, w) _mm512_fmadd_ps(b, w, c)
 
 /* (gemm_packed_bf16 below: with AVX512-BF16 it takes the larger steps' GEMMs itself) */
-DEFINE_PACKED_GEMM512(gemm_packed_bf16_f32x, uint16_t, float, panel512_bf16, BCAST_F32, FMADD512, 1,
-                      bf16_rows_in_order)
-DEFINE_PACKED_GEMM512(gemm_packed_f16, uint16_t, float, panel512_f16, BCAST_F32, FMADD512, 1, IN_ORDER)
-DEFINE_PACKED_GEMM512(gemm_packed_f32, float, float, panel512_f32, BCAST_F32, FMADD512, 1, IN_ORDER)
+DEFINE_PACKED_GEMM512(gemm_packed_bf16_f32x, uint16_t, float, panel512_bf16, BCAST_F32, FMADD512, 2, 2)
+DEFINE_PACKED_GEMM512(gemm_packed_f16, uint16_t, float, panel512_f16, BCAST_F32, FMADD512, 1, 1)
+DEFINE_PACKED_GEMM512(gemm_packed_f32, float, float, panel512_f32, BCAST_F32, FMADD512, 1, 1)
 #ifndef BF16_DOT
 void gemm_packed_bf16(const float *x, const uint16_t *w, float *y, long M, long N, long K) {
     gemm_packed_bf16_f32x(x, w, y, M, N, K);
@@ -285,12 +291,11 @@ void gemm_packed_bf16(const float *x, const uint16_t *w, float *y, long M, long 
 
 #ifdef BF16_DOT
 /* With AVX512-BF16, steps of BF16_DOT_MIN_ROWS rows of x or more (bound by the arithmetic, not
- * by reading the weights) round x to bfloat16 and take the bfloat16 panels two k at a time with
- * VDPBF16PS, which multiplies and adds pairs of bfloat16 into float32 lanes: twice the products
- * of an FMA per instruction. x's rounding is the only change to the arithmetic (what
+ * by reading the weights) round x to bfloat16 and take the bfloat16 panels' pairs as they lie
+ * with VDPBF16PS, which multiplies and adds pairs of bfloat16 into float32 lanes: twice the
+ * products of an FMA per instruction. x's rounding is the only change to the arithmetic (what
  * torch's and oneDNN's bfloat16 GEMMs do to their inputs too); the products and sums stay
- * float32. Smaller steps, and an odd K, keep x in float32. A permutation pairs each panel's
- * weights of k and k + 1 in one 32-bit lane, in the panel's packed row order. */
+ * float32. Smaller steps keep x in float32. */
 #define BF16_DOT_MIN_ROWS 6
 
 /* The 32 bfloat16 of v as 16 pairs, one a 32-bit lane: lane i holds elements i and i + 16. */
@@ -307,24 +312,145 @@ static inline uint16_t bf16_bits(float x) {
     return (uint16_t)_mm_extract_epi16((__m128i)_mm_cvtneps_pbh(_mm_set1_ps(x)), 0);
 }
 
-static inline __m512 panel512_bf16_pairs(const uint16_t *p) { return pair_halves(_mm512_loadu_si512(p)); }
+static inline __m512 panel512_bf16_pairs(const uint16_t *p, int s) { return (void)s, _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
 #define BCAST_BF16_PAIR(p) _mm512_castsi512_ps(_mm512_set1_epi32(*(const int32_t *)(p)))
 #define DPBF16(c, b, w) _mm512_dpbf16_ps(c, (__m512bh)(w), (__m512bh)(b))
 
-DEFINE_PACKED_GEMM512(gemm_packed_bf16_dot, uint16_t, uint16_t, panel512_bf16_pairs, BCAST_BF16_PAIR, DPBF16, 2,
-                      bf16_rows_in_order)
+DEFINE_PACKED_GEMM512(gemm_packed_bf16_dot, uint16_t, uint16_t, panel512_bf16_pairs, BCAST_BF16_PAIR, DPBF16, 2, 1)
 
-void gemm_packed_bf16(const float *x, const uint16_t *w, float *y, long M, long N, long K) {
-    uint16_t *xb = M >= BF16_DOT_MIN_ROWS && K % 2 == 0 ? malloc(M * K * sizeof(uint16_t)) : NULL;
-    if (xb == NULL) {
-        gemm_packed_bf16_f32x(x, w, y, M, N, K);
-        return;
-    }
+/* x [M, K] float32 as bfloat16 rows K apart, the rows from M to `rows` zeros; NULL without memory. */
+static uint16_t *bf16_rows(const float *x, long M, long K, long rows) {
+    uint16_t *xb = malloc(rows * K * sizeof(uint16_t));
+    if (xb == NULL) return NULL;
     const long n = M * K;
 #pragma omp parallel for schedule(static) if (n > 65536)
     for (long i = 0; i < n - n % 32; i += 32)
         _mm512_storeu_si512(xb + i, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
     for (long i = n - n % 32; i < n; i++) xb[i] = bf16_bits(x[i]);
+    for (long i = n; i < rows * K; i++) xb[i] = 0;
+    return xb;
+}
+#endif
+
+#if defined(BF16_DOT) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* With AMX (Intel's tile registers: eight of 16 rows by 64 bytes), steps of AMX_MIN_ROWS rows of
+ * x or more take TDPBF16PS: a tile of 16 rows of x's bfloat16 (32 k each) against a tile of a
+ * panel's 16 pairs of k (the bfloat16 panel as it lies, 1 KB), into a tile of 16 x 16 float32
+ * sums, 8192 multiply-adds an instruction. Four sum tiles, 32 rows of x by a pair of panels,
+ * take each k's two tiles of x and two of weights (tiles 0-3 sums, 4-5 x, 6-7 weights). Same
+ * arithmetic as VDPBF16PS (x rounded to bfloat16, products and sums float32). Needs K a
+ * multiple of 32 (a tile's k), which the Llama family's widths are; else the dot products
+ * serve. Linux gives a process the tiles' state only once it asks (arch_prctl), at load. */
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX 1
+#define AMX_MIN_ROWS 8
+#define AMX_AHEAD 64
+#define AMX_ROWS_AT_ONCE 512  /* rows of x every pair of panels passes before the next rows (in L2) */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_permitted;
+
+__attribute__((constructor)) static void amx_ask(void) {
+    amx_permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Every tile 16 rows of 64 bytes (the config zeroes them). */
+static void amx_configure(void) {
+    TileConfig c = {0};
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = 16, c.bytes_per_row[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+/* Sum tile T (16 x 16 float32) into y's rows m.. and columns n.. (N apart), of which `rows` and
+ * `cols` are real (the rest: x's zero rows, a panel's zero rows), through t where not all are. */
+#define AMX_STORE(T, y, N, rows, cols, t)                                                         \
+    if ((rows) >= 16 && (cols) >= 16) {                                                           \
+        _tile_stored(T, y, (N) * sizeof(float));                                                  \
+    } else if ((rows) > 0 && (cols) > 0) {                                                        \
+        _tile_stored(T, t, 16 * sizeof(float));                                                   \
+        for (long i = 0; i < (rows) && i < 16; i++)                                               \
+            for (long j = 0; j < (cols) && j < 16; j++) (y)[i * (N) + j] = (t)[i * 16 + j];       \
+    }
+
+/* Rows m .. m + 32 of xb (K apart, zeros past M) against panels w0 and w1 (w1 NULL: none) into
+ * y's columns n .. n + 32. */
+static inline void amx_block(const uint16_t *xb, const uint16_t *w0, const uint16_t *w1, float *y, long M,
+                             long N, long K, long m, long n, float *t, int fetch) {
+    const uint16_t *a = xb + m * K;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (long k = 0; k < K; k += 32) {
+        if (fetch)  /* the panels' next weights, AMX_AHEAD k on (hints: past the end they never fault) */
+            for (int l = 0; l < 16; l++) {
+                _mm_prefetch((const char *)(w0 + (k + AMX_AHEAD) * PANEL + 32 * l), _MM_HINT_T0);
+                if (w1) _mm_prefetch((const char *)(w1 + (k + AMX_AHEAD) * PANEL + 32 * l), _MM_HINT_T0);
+            }
+        _tile_loadd(4, a + k, K * 2);
+        _tile_loadd(6, w0 + k * PANEL, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (M - m > 16) {
+            _tile_loadd(5, a + 16 * K + k, K * 2);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        if (w1) {
+            _tile_loadd(7, w1 + k * PANEL, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            if (M - m > 16) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    const long rows = M - m, cols = N - n;
+    float *o = y + m * N + n;
+    AMX_STORE(0, o, N, rows, cols, t)
+    AMX_STORE(1, o + 16 * N, N, rows - 16, cols, t)
+    AMX_STORE(2, o + 16, N, rows, cols - 16, t)
+    AMX_STORE(3, o + 16 * N + 16, N, rows - 16, cols - 16, t)
+}
+
+/* y = x @ w.T through the tiles; -1 (nothing computed) without memory for x's bfloat16 copy. */
+static int gemm_packed_bf16_amx(const float *x, const uint16_t *w, float *y, long M, long N, long K) {
+    uint16_t *xb = bf16_rows(x, M, K, (M + 15) / 16 * 16);
+    if (xb == NULL) return -1;
+    const long panels = (N + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;
+#pragma omp parallel if (pairs > 1)
+    {
+        float t[16 * 16];
+        amx_configure();
+        for (long m0 = 0; m0 < M; m0 += AMX_ROWS_AT_ONCE) {
+            const long m1 = m0 + AMX_ROWS_AT_ONCE < M ? m0 + AMX_ROWS_AT_ONCE : M;
+#pragma omp for schedule(static) nowait
+            for (long u = 0; u < pairs; u++) {
+                const uint16_t *w0 = w + 2 * u * PANEL * K, *w1 = 2 * u + 1 < panels ? w0 + PANEL * K : NULL;
+                for (long m = m0; m < m1; m += 32) amx_block(xb, w0, w1, y, m1, N, K, m, 2 * u * PANEL, t, m == m0);
+            }
+        }
+        _tile_release();
+    }
+    free(xb);
+    return 0;
+}
+#endif
+
+#ifdef BF16_DOT
+void gemm_packed_bf16(const float *x, const uint16_t *w, float *y, long M, long N, long K) {
+#ifdef AMX
+    if (amx_permitted && M >= AMX_MIN_ROWS && K % 32 == 0 && !gemm_packed_bf16_amx(x, w, y, M, N, K)) return;
+#endif
+    uint16_t *xb = M >= BF16_DOT_MIN_ROWS ? bf16_rows(x, M, K, M) : NULL;
+    if (xb == NULL) {
+        gemm_packed_bf16_f32x(x, w, y, M, N, K);
+        return;
+    }
     gemm_packed_bf16_dot(xb, w, y, M, N, K);
     free(xb);
 }
@@ -339,11 +465,21 @@ int cpu_kernels_vector_bits(void) {
 #endif
 }
 
-/* From how many rows of x the bfloat16 GEMM rounds x to bfloat16 (where K is even), or 0 where
- * the build has no AVX512-BF16 and x stays float32 at every size. */
+/* From how many rows of x the bfloat16 GEMM rounds x to bfloat16, or 0 where the build has no
+ * AVX512-BF16 and x stays float32 at every size. */
 int cpu_kernels_bf16_dot_min_rows(void) {
 #ifdef BF16_DOT
     return BF16_DOT_MIN_ROWS;
+#else
+    return 0;
+#endif
+}
+
+/* From how many rows of x the bfloat16 GEMM takes AMX's tiles (where K is a multiple of 32), or
+ * 0 where the build has no AMX or Linux did not give this process the tiles. */
+int cpu_kernels_amx_min_rows(void) {
+#ifdef AMX
+    return amx_permitted ? AMX_MIN_ROWS : 0;
 #else
     return 0;
 #endif
@@ -1405,6 +1541,7 @@ PREFILL_TASK(prefill_task_f16, 1, 0)
 PREFILL_TASK(prefill_task_f32_dot, 0, 1)
 PREFILL_TASK(prefill_task_f16_dot, 1, 1)
 #endif
+
 #undef TASK_CASE
 #undef PREFILL_TASK
 
@@ -1428,6 +1565,7 @@ int paged_prefill_attention(const float *q, long q_row_stride, const void *k_cac
 #ifdef BF16_DOT
     if (bf16_dot && D % 16 == 0) task = kv_half ? prefill_task_f16_dot : prefill_task_f32_dot;
 #endif
+
     long num_tasks = 0, max_len = 0;
     for (long s = 0; s < S; s++) {
         num_tasks += Hkv * (((query_start_loc[s + 1] - query_start_loc[s]) * G + PF_LANES - 1) / PF_LANES);
