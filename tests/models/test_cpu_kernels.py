@@ -350,15 +350,19 @@ def test_prefill_attention_matches_the_torch_path(num_heads, num_kv_heads, head_
 
 
 @needs_kernel
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (6, 3, 48), (2, 2, 20)])
+# (AMX's tiles where head_dim is a multiple of 32: a pair of lane vectors and a lone one, 1 to 6
+# vectors a task, two tiles of head_dim at once and four)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (6, 3, 48), (2, 2, 20), (4, 1, 32),
+                                                             (8, 2, 128)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("chunks", [[(0, 5), (40, 1), (37, 100), (0, 100), (300, 70), (0, 1)], [(2000, 4), (700, 2)]],
                          ids=["mixed", "few-rows-long-context"])
 def test_prefill_attention_takes_bfloat16_dot_products_where_asked_and_built(num_heads, num_kv_heads, head_dim,
                                                                              cache_dtype, chunks):
-    """With bf16_dot, where the build has AVX512-BF16 and head_dim is a multiple of 16, the
-    output is the torch path's on q (scaled), K and V rounded to bfloat16, up to the softmax
-    weights' own rounding; elsewhere it is the float32 kernel's, exactly."""
+    """With bf16_dot, where the build has AVX512-BF16 and head_dim is a multiple of 16 (or AMX
+    and a multiple of 32, whose tiles take the same products), the output is the torch path's on
+    q (scaled), K and V rounded to bfloat16, up to the softmax weights' own rounding; elsewhere it
+    is the float32 kernel's, exactly."""
     dot = kernels.bf16_dot_min_rows > 0 and head_dim % 16 == 0
     for got, want, want_rounded in prefill_attention_and_reference(kernels, True, num_heads, num_kv_heads, head_dim,
                                                                    16, cache_dtype, chunks):

@@ -1412,12 +1412,118 @@ static inline __attribute__((always_inline)) void lane_softmax(float *s, long n,
 /* A task's scratch, 64-byte aligned arrays of floats: qt [D][PF_LANES], kt and vt [PF_KEYS][Dp],
  * s [PF_KEYS][PF_LANES], acc [Dp][PF_LANES], m, l, alpha [PF_LANES]; then pos [PF_LANES] int32;
  * then (for the bfloat16 dot products) the tile's K and V as lane_scores and lane_values take
- * them, [PF_KEYS][Dp] bfloat16 each. */
+ * them, [PF_KEYS][Dp] bfloat16 each, and (for AMX's tiles) V transposed, [Dp][PF_KEYS] bfloat16. */
 static long prefill_scratch_bytes(long D) {
     const long Dp = (D + 7) / 8 * 8;
     return sizeof(float) * (D * PF_LANES + 2 * PF_KEYS * Dp + PF_KEYS * PF_LANES + Dp * PF_LANES + 3 * PF_LANES)
-           + sizeof(int32_t) * PF_LANES + sizeof(uint16_t) * 2 * PF_KEYS * Dp;
+           + sizeof(int32_t) * PF_LANES + sizeof(uint16_t) * 3 * PF_KEYS * Dp;
 }
+
+#ifdef AMX
+/* The prefill attention's products through AMX's tiles (DOT == 2 below), in the layouts the
+ * bfloat16 dot products use, transposed where a tile needs them so: the scores as s^T = K q^T,
+ * a tile of 16 keys' bfloat16 K rows (32 d) against the queries' pairs along d (qt: 16 pairs of
+ * d by 16 lanes) into s[key][lane]; the values as acc^T += V^T p, a tile of 16 columns of V's
+ * bfloat16 rows transposed (vT: 16 d by the tile's 32 keys) against the softmax's weights in
+ * pairs of keys (16 pairs by 16 lanes) into acc[d][lane], loaded and stored around each
+ * product. Each product takes a pair of lane vectors with two tiles of keys (scores) or of
+ * columns (values): tiles 0-3 sums, 4-5 K or V^T, 6-7 the lanes'. Needs D a multiple of 32. */
+
+/* 16 x 16 32-bit elements at src (rows `from` floats apart) transposed to dst (rows `to` apart). */
+static inline void transpose16(const float *src, long from, float *dst, long to) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * from);
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int g = 0; g < 16; g += 4)
+        for (int j = 0; j < 2; j++) {
+            const __m512d a = _mm512_castps_pd(t[g + j]), b = _mm512_castps_pd(t[g + j + 2]);
+            r[g + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            r[g + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    for (int h = 0; h < 16; h += 8)
+        for (int j = 0; j < 4; j++) {
+            t[h + j] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0x88);
+            t[h + j + 4] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD);
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * to, r[i]);
+}
+
+/* s[j][lane] = sum_d kb[j][d] qt[d][lane] for the tile's keys j < n (16 at a time) and the lanes of
+ * the first NV vectors: kb [PF_KEYS][Dp] bfloat16, qt [D / 2][PF_LANES] pairs along d. */
+static inline __attribute__((always_inline)) void amx_scores(const float *qt, const uint16_t *kb, long n, long D,
+                                                             long Dp, float *s, const int NV) {
+    const int second = n > 16;  /* keys 16 .. 31 */
+    for (int v = 0; v < NV; v += 2) {
+        const int pair = v + 1 < NV;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (long d = 0; d < D; d += 32) {
+            const float *r = qt + d / 2 * PF_LANES + v * VL;
+            _tile_loadd(4, kb + d, Dp * 2);
+            _tile_loadd(6, r, PF_LANES * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            if (pair) {
+                _tile_loadd(7, r + VL, PF_LANES * 4);
+                _tile_dpbf16ps(1, 4, 7);
+            }
+            if (second) {
+                _tile_loadd(5, kb + 16 * Dp + d, Dp * 2);
+                _tile_dpbf16ps(2, 5, 6);
+                if (pair) _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        float *o = s + v * VL;
+        _tile_stored(0, o, PF_LANES * 4);
+        if (pair) _tile_stored(1, o + VL, PF_LANES * 4);
+        if (second) {
+            _tile_stored(2, o + 16 * PF_LANES, PF_LANES * 4);
+            if (pair) _tile_stored(3, o + 16 * PF_LANES + VL, PF_LANES * 4);
+        }
+    }
+}
+
+/* acc[d][lane] = acc[d][lane] * alpha[lane] + sum_j vT[d][j] p[j][lane] over the tile's PF_KEYS keys
+ * (the weights of those past its last zeros) for the lanes of the first NV vectors: vT [D][PF_KEYS]
+ * bfloat16, p [PF_KEYS / 2][PF_LANES] pairs of keys. */
+static inline __attribute__((always_inline)) void amx_values(float *acc, const float *p, const uint16_t *vT,
+                                                             const float *alpha, long D, const int NV) {
+    for (long d = 0; d < D; d++)
+        for (int v = 0; v < NV; v++) {
+            float *a = acc + d * PF_LANES + v * VL;
+            _mm512_store_ps(a, _mm512_mul_ps(_mm512_load_ps(a), _mm512_load_ps(alpha + v * VL)));
+        }
+    for (long d = 0; d < D; d += 32)
+        for (int v = 0; v < NV; v += 2) {
+            const int pair = v + 1 < NV;
+            float *c = acc + d * PF_LANES + v * VL;
+            _tile_loadd(0, c, PF_LANES * 4);
+            _tile_loadd(2, c + 16 * PF_LANES, PF_LANES * 4);
+            _tile_loadd(4, vT + d * PF_KEYS, PF_KEYS * 2);
+            _tile_loadd(5, vT + (d + 16) * PF_KEYS, PF_KEYS * 2);
+            _tile_loadd(6, p + v * VL, PF_LANES * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_stored(0, c, PF_LANES * 4);
+            _tile_stored(2, c + 16 * PF_LANES, PF_LANES * 4);
+            if (pair) {
+                _tile_loadd(1, c + VL, PF_LANES * 4);
+                _tile_loadd(3, c + 16 * PF_LANES + VL, PF_LANES * 4);
+                _tile_loadd(7, p + (v + 1) * VL, PF_LANES * 4);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+                _tile_stored(1, c + VL, PF_LANES * 4);
+                _tile_stored(3, c + 16 * PF_LANES + VL, PF_LANES * 4);
+            }
+        }
+}
+#endif
 
 /* One task: the query lanes first .. first + count - 1 (lane i: row i / G, query head h * G + i % G)
  * of a sequence whose query rows start at q row `row0`, at position pos0, over its keys k0 .. k1 - 1
@@ -1433,7 +1539,10 @@ static inline __attribute__((always_inline)) void prefill_task(
     float *qt = scratch, *kt = qt + D * PF_LANES, *vt = kt + PF_KEYS * Dp, *s = vt + PF_KEYS * Dp;
     float *acc = s + PF_KEYS * PF_LANES, *m = acc + Dp * PF_LANES, *l = m + PF_LANES, *alpha = l + PF_LANES;
     int32_t *pos = (int32_t *)(alpha + PF_LANES);
-    uint16_t *kb = (uint16_t *)(pos + PF_LANES), *vb = kb + PF_KEYS * Dp;
+    uint16_t *kb = (uint16_t *)(pos + PF_LANES), *vb = kb + PF_KEYS * Dp, *vT = vb + PF_KEYS * Dp;
+#ifdef AMX
+    if (DOT == 2) amx_configure();
+#endif
     for (long i = 0; i < PF_LANES; i++) {
         const long lane = first + (i < count ? i : count - 1), r = lane / G;  /* spare lanes repeat the last */
         const float *src = q + (row0 + r) * q_row_stride + (h * G + lane % G) * D;
@@ -1473,11 +1582,12 @@ static inline __attribute__((always_inline)) void prefill_task(
                 _mm_prefetch((const char *)v_cache + row + b, _MM_HINT_T0);
             }
         }
-        if (n % 2)  /* the scores take keys in pairs: the spare one is zeros */
-            for (long d = 0; d < Dp; d++) kt[n * Dp + d] = vt[n * Dp + d] = 0.0f;
+        /* the scores take keys in pairs (AMX's tiles, all PF_KEYS at once): the spare ones are zeros */
+        for (long j = n; j < (DOT == 2 ? PF_KEYS : n + n % 2); j++)
+            for (long d = 0; d < Dp; d++) kt[j * Dp + d] = vt[j * Dp + d] = 0.0f;
 #ifdef BF16_DOT
         if (DOT) {  /* K's rows in bfloat16; V's in pairs of rows (j, j + 1) */
-            for (long j = 0; j < n + n % 2; j += 2)
+            for (long j = 0; j < (DOT == 2 ? PF_KEYS : n + n % 2); j += 2)
                 for (long d = 0; d < Dp; d += 16) {
                     const __m512 k0 = _mm512_load_ps(kt + j * Dp + d), k1 = _mm512_load_ps(kt + (j + 1) * Dp + d);
                     const __m512 v0 = _mm512_load_ps(vt + j * Dp + d), v1 = _mm512_load_ps(vt + (j + 1) * Dp + d);
@@ -1487,19 +1597,35 @@ static inline __attribute__((always_inline)) void prefill_task(
                 }
         }
 #endif
+#ifdef AMX
+        if (DOT == 2) {
+            for (long d = 0; d < D; d += 16)  /* V^T: the pairs of rows' columns as rows */
+                transpose16((const float *)vb + d, Dp, (float *)vT + d * PF_KEYS / 2, PF_KEYS / 2);
+            amx_scores(qt, kb, n, D, Dp, s, NV);
+        } else
+#endif
         lane_scores(qt, DOT ? (const void *)kb : kt, n, D, Dp, s, NV, DOT);
         lane_softmax(s, n, t0, pos, t0 + n - 1 > pos[0], m, l, alpha, NV);
 #ifdef BF16_DOT
-        if (DOT)  /* the weights in pairs of keys (j, j + 1), in place; the spare key's zero */
-            for (long j = 0; j < n; j += 2)
+        if (DOT) {  /* the weights in pairs of keys (j, j + 1), in place; the spare keys' zeros */
+            for (long j = 0; j < (DOT == 2 ? PF_KEYS : n); j += 2)
                 for (int v = 0; v < NV; v++) {
-                    const __m512 w0 = _mm512_load_ps(s + j * PF_LANES + VL * v);
+                    const __m512 w0 = j < n ? _mm512_load_ps(s + j * PF_LANES + VL * v) : _mm512_setzero_ps();
                     const __m512 w1 = j + 1 < n ? _mm512_load_ps(s + (j + 1) * PF_LANES + VL * v) : _mm512_setzero_ps();
                     _mm512_store_ps(s + j / 2 * PF_LANES + VL * v, bf16_pairs(w0, w1));
                 }
+        }
+#endif
+#ifdef AMX
+        if (DOT == 2)
+            amx_values(acc, s, vT, alpha, D, NV);
+        else
 #endif
         lane_values(acc, s, DOT ? (const void *)vb : vt, alpha, n, D, Dp, NV, DOT);
     }
+#ifdef AMX
+    if (DOT == 2) _tile_release();
+#endif
     for (long i = 0; i < count; i++) {
         const long lane = first + i, head = h * G + lane % G;
         if (part) {
@@ -1541,7 +1667,10 @@ PREFILL_TASK(prefill_task_f16, 1, 0)
 PREFILL_TASK(prefill_task_f32_dot, 0, 1)
 PREFILL_TASK(prefill_task_f16_dot, 1, 1)
 #endif
-
+#ifdef AMX
+PREFILL_TASK(prefill_task_f32_amx, 0, 2)
+PREFILL_TASK(prefill_task_f16_amx, 1, 2)
+#endif
 #undef TASK_CASE
 #undef PREFILL_TASK
 
@@ -1565,7 +1694,9 @@ int paged_prefill_attention(const float *q, long q_row_stride, const void *k_cac
 #ifdef BF16_DOT
     if (bf16_dot && D % 16 == 0) task = kv_half ? prefill_task_f16_dot : prefill_task_f32_dot;
 #endif
-
+#ifdef AMX
+    if (bf16_dot && amx_permitted && D % 32 == 0) task = kv_half ? prefill_task_f16_amx : prefill_task_f32_amx;
+#endif
     long num_tasks = 0, max_len = 0;
     for (long s = 0; s < S; s++) {
         num_tasks += Hkv * (((query_start_loc[s + 1] - query_start_loc[s]) * G + PF_LANES - 1) / PF_LANES);
