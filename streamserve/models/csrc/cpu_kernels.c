@@ -881,6 +881,21 @@ DEFINE_EXP(exp_ps, __m256, __m256i, _mm256_, 256, ROUND256, ZERO_BELOW256)
 #define ROUND512(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 #define ZERO_BELOW512(x, lo, v) _mm512_maskz_mov_ps((__mmask16)~_mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), v)
 DEFINE_EXP(exp512_ps, __m512, __m512i, _mm512_, 512, ROUND512, ZERO_BELOW512)
+/* e^x to about 2e-6 (a degree-5 polynomial, VSCALEFPS for the power of two), where the result is
+ * rounded to bfloat16 (8 bits) next: the softmax's weights for the bfloat16 products. */
+static inline __m512 exp512_bf16(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.0f), c = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(lo, x));
+    const __m512 n = ROUND512(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 120.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return ZERO_BELOW512(x, lo, _mm512_scalef_ps(p, n));
+}
 #endif
 
 /* The sums of a, b, c and d's lanes, in that order. */
@@ -910,6 +925,13 @@ static inline __attribute__((always_inline)) __m256 kv8(const void *p, long i, c
 static inline __attribute__((always_inline)) float kv1(const void *p, long i, const int half) {
     return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
+
+#ifdef __AVX512F__
+static inline __attribute__((always_inline)) __m512 kv16(const void *p, long i, const int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                : _mm512_loadu_ps((const float *)p + i);
+}
+#endif
 
 #define ATTN_TILE 32      /* keys scored before their softmax and values (K and V rows: in L1) */
 #define ATTN_HEADS 3      /* query heads a tile routine takes at once: their accumulators fill the registers */
@@ -1377,10 +1399,11 @@ static inline __attribute__((always_inline)) void lane_values(float *acc, const 
 /* The online softmax over a tile's scores s [n][PF_LANES] (keys t0 .. t0 + n - 1) for the lanes
  * of the first NV vectors: with `masked`, keys past a lane's position pos[lane] score -inf.
  * m, l: each lane's running max and sum; the scores become their weights, and alpha the factor
- * the lane's earlier weighted sum of values takes. */
+ * the lane's earlier weighted sum of values takes. With DOT, the weights (rounded to bfloat16
+ * next) come from exp512_bf16. */
 static inline __attribute__((always_inline)) void lane_softmax(float *s, long n, long t0, const int32_t *pos,
                                                                int masked, float *m, float *l, float *alpha,
-                                                               const int NV) {
+                                                               const int NV, const int DOT) {
     for (int v = 0; v < NV; v++) {
         const lanes_t old = L_LOAD(m + VL * v);
         lanes_t top = old;
@@ -1399,7 +1422,11 @@ static inline __attribute__((always_inline)) void lane_softmax(float *s, long n,
         lanes_t sum = L_ZERO();
         for (long j = 0; j < n; j++) {
             float *sj = s + j * PF_LANES + VL * v;
+#ifdef BF16_DOT
+            const lanes_t w = DOT ? exp512_bf16(L_SUB(L_LOAD(sj), base)) : L_EXP(L_SUB(L_LOAD(sj), base));
+#else
             const lanes_t w = L_EXP(L_SUB(L_LOAD(sj), base));
+#endif
             L_STORE(sj, w);
             sum = L_ADD(sum, w);
         }
@@ -1494,11 +1521,14 @@ static inline __attribute__((always_inline)) void amx_scores(const float *qt, co
  * bfloat16, p [PF_KEYS / 2][PF_LANES] pairs of keys. */
 static inline __attribute__((always_inline)) void amx_values(float *acc, const float *p, const uint16_t *vT,
                                                              const float *alpha, long D, const int NV) {
-    for (long d = 0; d < D; d++)
-        for (int v = 0; v < NV; v++) {
-            float *a = acc + d * PF_LANES + v * VL;
-            _mm512_store_ps(a, _mm512_mul_ps(_mm512_load_ps(a), _mm512_load_ps(alpha + v * VL)));
-        }
+    __mmask16 scaled = 0;  /* the lanes whose max rose (most tiles after the first few: none) */
+    for (int v = 0; v < NV; v++) scaled |= _mm512_cmp_ps_mask(_mm512_load_ps(alpha + v * VL), _mm512_set1_ps(1.0f), _CMP_NEQ_UQ);
+    if (scaled)
+        for (long d = 0; d < D; d++)
+            for (int v = 0; v < NV; v++) {
+                float *a = acc + d * PF_LANES + v * VL;
+                _mm512_store_ps(a, _mm512_mul_ps(_mm512_load_ps(a), _mm512_load_ps(alpha + v * VL)));
+            }
     for (long d = 0; d < D; d += 32)
         for (int v = 0; v < NV; v += 2) {
             const int pair = v + 1 < NV;
@@ -1563,6 +1593,26 @@ static inline __attribute__((always_inline)) void prefill_task(
     long blk = k0 / bs, off = k0 % bs;
     for (long t0 = k0; t0 < end; t0 += PF_KEYS) {
         const long n = end - t0 < PF_KEYS ? end - t0 : PF_KEYS;
+#ifdef AMX
+        if (DOT == 2) {  /* K's rows in bfloat16 and V's in pairs of rows (j, j + 1) straight from the cache */
+            long rows[PF_KEYS];
+            for (long j = 0; j < n; j++) {
+                rows[j] = (table[blk] * bs + off) * kv_row + h * D;
+                if (++off == bs) off = 0, blk++;
+            }
+            for (long j = 0; j < PF_KEYS; j += 2)
+                for (long d = 0; d < D; d += 16) {
+                    const __m512 zero = _mm512_setzero_ps();
+                    const __m512 ka = j < n ? kv16(k_cache, rows[j] + d, half) : zero;
+                    const __m512 kz = j + 1 < n ? kv16(k_cache, rows[j + 1] + d, half) : zero;
+                    const __m512 va = j < n ? kv16(v_cache, rows[j] + d, half) : zero;
+                    const __m512 vz = j + 1 < n ? kv16(v_cache, rows[j + 1] + d, half) : zero;
+                    _mm256_storeu_si256((__m256i *)(kb + j * Dp + d), (__m256i)_mm512_cvtneps_pbh(ka));
+                    _mm256_storeu_si256((__m256i *)(kb + (j + 1) * Dp + d), (__m256i)_mm512_cvtneps_pbh(kz));
+                    _mm512_storeu_ps((float *)vb + j / 2 * Dp + d, bf16_pairs(va, vz));
+                }
+        } else
+#endif
         for (long j = 0; j < n; j++) {  /* the tile's K and V rows, widened */
             const long row = (table[blk] * bs + off) * kv_row + h * D;
             float *kj = kt + j * Dp, *vj = vt + j * Dp;
@@ -1582,12 +1632,11 @@ static inline __attribute__((always_inline)) void prefill_task(
                 _mm_prefetch((const char *)v_cache + row + b, _MM_HINT_T0);
             }
         }
-        /* the scores take keys in pairs (AMX's tiles, all PF_KEYS at once): the spare ones are zeros */
-        for (long j = n; j < (DOT == 2 ? PF_KEYS : n + n % 2); j++)
-            for (long d = 0; d < Dp; d++) kt[j * Dp + d] = vt[j * Dp + d] = 0.0f;
+        if (n % 2)  /* the scores take keys in pairs: the spare one is zeros */
+            for (long d = 0; d < Dp; d++) kt[n * Dp + d] = vt[n * Dp + d] = 0.0f;
 #ifdef BF16_DOT
-        if (DOT) {  /* K's rows in bfloat16; V's in pairs of rows (j, j + 1) */
-            for (long j = 0; j < (DOT == 2 ? PF_KEYS : n + n % 2); j += 2)
+        if (DOT == 1) {  /* K's rows in bfloat16; V's in pairs of rows (j, j + 1) */
+            for (long j = 0; j < n + n % 2; j += 2)
                 for (long d = 0; d < Dp; d += 16) {
                     const __m512 k0 = _mm512_load_ps(kt + j * Dp + d), k1 = _mm512_load_ps(kt + (j + 1) * Dp + d);
                     const __m512 v0 = _mm512_load_ps(vt + j * Dp + d), v1 = _mm512_load_ps(vt + (j + 1) * Dp + d);
@@ -1605,7 +1654,7 @@ static inline __attribute__((always_inline)) void prefill_task(
         } else
 #endif
         lane_scores(qt, DOT ? (const void *)kb : kt, n, D, Dp, s, NV, DOT);
-        lane_softmax(s, n, t0, pos, t0 + n - 1 > pos[0], m, l, alpha, NV);
+        lane_softmax(s, n, t0, pos, t0 + n - 1 > pos[0], m, l, alpha, NV, DOT);
 #ifdef BF16_DOT
         if (DOT) {  /* the weights in pairs of keys (j, j + 1), in place; the spare keys' zeros */
             for (long j = 0; j < (DOT == 2 ? PF_KEYS : n); j += 2)
