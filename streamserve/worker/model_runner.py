@@ -150,7 +150,8 @@ class ModelRunner:
             logger.info("computing in float32 from packed %s weights, read by the C GEMM (%d-bit vectors%s) for %s",
                         name, self.c_kernels.vector_bits,
                         f"; bfloat16 dot products from {self.c_kernels.bf16_dot_min_rows} rows, and in the "
-                        "prefill attention" if self.bf16_dot else "",
+                        "prefill attention" + (f"; AMX's tiles from {self.c_kernels.amx_min_rows} rows"
+                                               if self.c_kernels.amx_min_rows else "") if self.bf16_dot else "",
                         f"steps of at most {C_STEP_MAX_TOKENS} tokens and by torch's native {name} GEMMs above"
                         if native else "every step")
         elif low_precision is not None:  # (choose_dtypes: a CPU with native half GEMMs computes in them)
