@@ -1555,6 +1555,17 @@ static inline __attribute__((always_inline)) void amx_values(float *acc, const f
 }
 #endif
 
+#ifdef BF16_DOT
+/* 16 columns from d of a tile's keys j and j + 1 (K rows k0, k1, V rows v0, v1): K's into kb as
+ * bfloat16 rows Dp apart, V's into vb as pairs (j, j + 1), a row of Dp pairs per pair of keys. */
+static inline __attribute__((always_inline)) void keys_bf16(uint16_t *kb, uint16_t *vb, long j, long d, long Dp,
+                                                            __m512 k0, __m512 k1, __m512 v0, __m512 v1) {
+    _mm256_storeu_si256((__m256i *)(kb + j * Dp + d), (__m256i)_mm512_cvtneps_pbh(k0));
+    _mm256_storeu_si256((__m256i *)(kb + (j + 1) * Dp + d), (__m256i)_mm512_cvtneps_pbh(k1));
+    _mm512_storeu_ps((float *)vb + j / 2 * Dp + d, bf16_pairs(v0, v1));
+}
+#endif
+
 /* One task: the query lanes first .. first + count - 1 (lane i: row i / G, query head h * G + i % G)
  * of a sequence whose query rows start at q row `row0`, at position pos0, over its keys k0 .. k1 - 1
  * (up to the last lane's position), into out (rows Hq * D), or where `part` is given, their
@@ -1607,9 +1618,7 @@ static inline __attribute__((always_inline)) void prefill_task(
                     const __m512 kz = j + 1 < n ? kv16(k_cache, rows[j + 1] + d, half) : zero;
                     const __m512 va = j < n ? kv16(v_cache, rows[j] + d, half) : zero;
                     const __m512 vz = j + 1 < n ? kv16(v_cache, rows[j + 1] + d, half) : zero;
-                    _mm256_storeu_si256((__m256i *)(kb + j * Dp + d), (__m256i)_mm512_cvtneps_pbh(ka));
-                    _mm256_storeu_si256((__m256i *)(kb + (j + 1) * Dp + d), (__m256i)_mm512_cvtneps_pbh(kz));
-                    _mm512_storeu_ps((float *)vb + j / 2 * Dp + d, bf16_pairs(va, vz));
+                    keys_bf16(kb, vb, j, d, Dp, ka, kz, va, vz);
                 }
         } else
 #endif
@@ -1632,7 +1641,7 @@ static inline __attribute__((always_inline)) void prefill_task(
                 _mm_prefetch((const char *)v_cache + row + b, _MM_HINT_T0);
             }
         }
-        if (n % 2)  /* the scores take keys in pairs: the spare one is zeros */
+        if (n % 2 && DOT != 2)  /* the scores take keys in pairs: the spare one is zeros (AMX's: above) */
             for (long d = 0; d < Dp; d++) kt[n * Dp + d] = vt[n * Dp + d] = 0.0f;
 #ifdef BF16_DOT
         if (DOT == 1) {  /* K's rows in bfloat16; V's in pairs of rows (j, j + 1) */
@@ -1640,9 +1649,7 @@ static inline __attribute__((always_inline)) void prefill_task(
                 for (long d = 0; d < Dp; d += 16) {
                     const __m512 k0 = _mm512_load_ps(kt + j * Dp + d), k1 = _mm512_load_ps(kt + (j + 1) * Dp + d);
                     const __m512 v0 = _mm512_load_ps(vt + j * Dp + d), v1 = _mm512_load_ps(vt + (j + 1) * Dp + d);
-                    _mm256_storeu_si256((__m256i *)(kb + j * Dp + d), (__m256i)_mm512_cvtneps_pbh(k0));
-                    _mm256_storeu_si256((__m256i *)(kb + (j + 1) * Dp + d), (__m256i)_mm512_cvtneps_pbh(k1));
-                    _mm512_storeu_ps((float *)vb + j / 2 * Dp + d, bf16_pairs(v0, v1));
+                    keys_bf16(kb, vb, j, d, Dp, k0, k1, v0, v1);
                 }
         }
 #endif
