@@ -9,6 +9,9 @@ share the CPU) and prints the served/offline ratio.
 
     python -m streamserve --model M --port 8000 &
     python scripts/bench_serving.py --url http://127.0.0.1:8000 --concurrency 32 --offline-model M
+    python scripts/bench_serving.py --temperature 0.7 --top-p 0.9   # sampled, as chats are
+
+Greedy by default (temperature 0), which times the model alone; a chat client samples.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ def make_requests(n: int, vocab: int, seed: int, prompt_len: tuple[int, int], ou
             for _ in range(n)]
 
 
-async def one_request(session, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+async def one_request(session, url: str, model: str, prompt: list[int], max_tokens: int, sampling: dict) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, **sampling,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     chunk_times, tokens = [], 0
@@ -65,7 +68,7 @@ async def run(args, requests) -> dict:
 
         async def limited(prompt, max_tokens):
             async with sem:
-                return await one_request(session, args.url, model, prompt, max_tokens)
+                return await one_request(session, args.url, model, prompt, max_tokens, sampling(args))
 
         start = time.perf_counter()
         tasks = []
@@ -76,6 +79,10 @@ async def run(args, requests) -> dict:
         results = await asyncio.gather(*tasks)
         elapsed = time.perf_counter() - start
     return summarize(results, elapsed)
+
+
+def sampling(args) -> dict:
+    return {"temperature": args.temperature, "top_p": args.top_p}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -95,7 +102,7 @@ def summarize(results: list[dict], elapsed: float) -> dict:
     return out
 
 
-def offline(model: str, dtype: str, requests) -> float:
+def offline(model: str, dtype: str, requests, settings: dict) -> float:
     from streamserve import LLM, SamplingParams
 
     llm = LLM(model, dtype=dtype)
@@ -103,7 +110,7 @@ def offline(model: str, dtype: str, requests) -> float:
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests],
-                           [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for _, m in requests],
+                           [SamplingParams(**settings, max_tokens=m, ignore_eos=True) for _, m in requests],
                            use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outputs) / (time.perf_counter() - start)
 
@@ -120,6 +127,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--offline-model", default=None, help="also run LLM.generate on this model")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--json", default="bench_serving.json")
     args = parser.parse_args()
     requests = make_requests(args.num_prompts, args.vocab, args.seed, tuple(args.prompt_len),
@@ -131,7 +140,7 @@ def main() -> None:
         r = result[name]
         print(f"  {name:5s} mean {r['mean_ms']:8.1f} ms   p50 {r['p50_ms']:8.1f} ms   p99 {r['p99_ms']:8.1f} ms")
     if args.offline_model:
-        result["offline_tok_s"] = offline(args.offline_model, args.dtype, requests)
+        result["offline_tok_s"] = offline(args.offline_model, args.dtype, requests, sampling(args))
         result["served_over_offline"] = result["output_tok_s"] / result["offline_tok_s"]
         print(f"offline LLM.generate: {result['offline_tok_s']:.1f} tok/s; served / offline = "
               f"{result['served_over_offline']:.2f}")

@@ -25,6 +25,7 @@ import tempfile
 from functools import lru_cache
 from typing import Callable, NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from streamserve.models.quantized import BLOCKS, SCALE_OFFSETS, QuantizedWeight
@@ -264,6 +265,9 @@ class CpuKernels:
         self._prefill.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 6
                                   + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long, ctypes.c_long])
         self._prefill.restype = ctypes.c_int
+        self._sample = lib.sample_rows
+        self._sample.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 6
+        self._sample.restype = ctypes.c_int
 
     def paged_decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -325,6 +329,25 @@ class CpuKernels:
                              f"cache {cache.dtype} {tuple(cache.shape)}, tables {block_tables.dtype} "
                              f"{tuple(block_tables.shape)}, seq_lens {seq_lens.dtype} {tuple(seq_lens.shape)}")
         return num_heads, torch.empty(q.shape[0], num_heads * head_dim)
+
+    def sample(self, logits: torch.Tensor, temperature: np.ndarray, min_p: np.ndarray, top_k: np.ndarray,
+               top_p: np.ndarray, u: np.ndarray) -> torch.Tensor:
+        """One token per row of logits [B, V] (float32) -> int64 [B]: the argmax where temperature
+        is 0, else a draw from softmax(logits / temperature) after min_p, then top_k, then top_p
+        over what min_p kept (0, 0 and 1: off), the inverse CDF at u (in [0, 1)); per row, float32
+        arrays but top_k (int64). The Sampler's torch path in a few passes over each row."""
+        logits = logits.contiguous()
+        rows, vocab = logits.shape
+        args = [np.ascontiguousarray(a, dtype=t) for a, t in ((temperature, np.float32), (min_p, np.float32),
+                                                               (top_k, np.int64), (top_p, np.float32),
+                                                               (u, np.float32))]
+        if logits.dtype != torch.float32 or any(a.shape != (rows,) for a in args):
+            raise ValueError(f"sample takes float32 logits [B, V] and one value per row; got {logits.dtype} "
+                             f"{tuple(logits.shape)} and {[a.shape for a in args]}")
+        out = torch.empty(rows, dtype=torch.int64)
+        if self._sample(logits.data_ptr(), rows, vocab, *(a.ctypes.data for a in args), out.data_ptr()):
+            raise MemoryError("the C sampler found no memory for its scratch")
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _check_rows(x)

@@ -198,7 +198,7 @@ class ModelRunner:
         if config.device.use_cuda_graphs:
             self.graphs = self.make_decode_graphs()
             self.graphs.capture()
-        self.sampler = Sampler(self.device, config.model.seed, self.to_device)
+        self.sampler = Sampler(self.device, config.model.seed, self.to_device, kernels)
         self.requests: dict[str, RequestState] = {}
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
                                       -(-config.model.max_model_len // self.block_size))

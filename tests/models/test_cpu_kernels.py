@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -713,3 +714,74 @@ def test_gguf_blocks_load_where_only_the_half_copies_are_kept(half_llama_dir, tm
     bad = QuantizedWeight("q4_1", torch.zeros(8, 2 * 20 + 3, dtype=torch.uint8))  # not whole blocks
     with pytest.raises(ValueError, match="do not hold"):
         layer.keep_quantized(bad, None, 2)
+
+
+# -- the sampler's choice in C -------------------------------------------------------------------
+
+
+def c_draws(logits: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
+    """The C sampler's token for one row at n evenly spaced u in [0, 1): how often each token
+    comes out is its probability to within 1 / n (the inverse CDF), with no randomness."""
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    rows = logits.expand(n, -1).contiguous()
+
+    def col(value, dtype):
+        return np.full(n, value, dtype=dtype)
+    tokens = kernels.sample(rows, col(params.temperature, np.float32), col(params.min_p, np.float32),
+                            col(params.top_k, np.int64), col(params.top_p, np.float32), u.numpy())
+    return torch.bincount(tokens, minlength=logits.shape[0]).double() / n
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [37, 49152])  # a vector's tail; SmolLM2's vocabulary (chunks, bins)
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=1.3, top_k=20), SamplingParams(temperature=0.5, min_p=0.05),
+    SamplingParams(temperature=1.0, min_p=0.02, top_k=50, top_p=0.8), SamplingParams(temperature=2.0, top_p=0.3),
+], ids=["plain", "top_p", "top_k", "min_p", "all-three", "hot-top_p"])
+@pytest.mark.parametrize("spread", [1.0, 4.0])  # flat (thousands of tokens matter) and peaked logits
+def test_c_sampler_draws_the_torch_paths_distribution(vocab, params, spread):
+    """Each token's share of the draws over a grid of u is its probability after the torch path's
+    filters (softmax(logits / T) after min_p, then top_k and top_p), to within the grid's step:
+    the same support (nothing the torch path drops is drawn) and the same weights."""
+    from streamserve.worker.request_state import RequestState
+    from streamserve.engine.scheduler_output import NewRequestData
+    from streamserve.worker.sampler import Sampler
+
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(vocab + int(spread))) * spread
+    row = RequestState(NewRequestData("r", [0], 1, params, None, block_ids=[], num_computed_tokens=0), None)
+    expected = Sampler(torch.device("cpu"), seed=0, kernels=None)._filtered_probs(
+        logits[None] / params.temperature, [row])[0].double()
+    n = 20000
+    observed = c_draws(logits, params, n)
+    assert set(observed.nonzero().flatten().tolist()) <= set(expected.nonzero().flatten().tolist())
+    assert (observed - expected).abs().max() <= 1.5 / n + 1e-5
+    if expected.max() < 0.5:  # flat enough that a grid of 20000 reaches many tokens
+        assert (observed > 0).sum() >= min(50, (expected > 1.5 / n).sum())
+
+
+@needs_kernel
+def test_c_sampler_edges():
+    """Greedy rows take the first largest logit (a NaN first, as torch.argmax); ties at top_k's
+    cut keep the lower indices; a row whose logits are all -inf but one draws that one; u just
+    below 1 still lands on a token that stays."""
+    def one(x, temperature=1.0, min_p=0.0, top_k=0, top_p=1.0, u=0.5):
+        x = torch.tensor(x, dtype=torch.float32)[None]
+        return kernels.sample(x, np.array([temperature], np.float32), np.array([min_p], np.float32),
+                              np.array([top_k], np.int64), np.array([top_p], np.float32),
+                              np.array([u], np.float32)).item()
+
+    row = [0.0] * 40
+    row[17] = row[33] = 2.0
+    assert one(row, temperature=0.0) == 17
+    row[25] = float("nan")
+    assert one(row, temperature=0.0) == 25
+    flat = [1.0] * 20
+    assert {one(flat, top_k=3, u=u) for u in (0.0, 0.2, 0.5, 0.9, 0.9999)} == {0, 1, 2}
+    masked = [float("-inf")] * 30
+    masked[12] = -3.0
+    assert {one(masked, u=u) for u in (0.0, 0.5, 0.99999994)} == {12}
+    assert one([float("-inf")] * 9, u=0.3) == 0  # nothing finite: the argmax (the first)
+    peaked = [5.0, 1.0, 0.0, -1.0] + [-9.0] * 12
+    assert one(peaked, top_p=0.5, u=0.99999994) == 0  # top_p keeps only the first
+    assert one(peaked, u=np.nextafter(np.float32(1), np.float32(0))) in range(16)

@@ -12,9 +12,20 @@ import torch
 from streamserve.engine.scheduler_output import NewRequestData
 from streamserve.sampling_params import SamplingParams
 from streamserve.worker.request_state import RequestState
+from streamserve.worker import sampler as sampler_module
 from streamserve.worker.sampler import Sampler
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True, params=["c", "torch"])
+def choice_path(request, monkeypatch):
+    """Every test on both ways a CPU sampler chooses: the C kernels' (where they build) and torch's."""
+    if request.param == "c" and sampler_module._cpu_kernels() is None:
+        pytest.skip("the CPU kernels do not build here")
+    if request.param == "torch":
+        monkeypatch.setattr(sampler_module, "_cpu_kernels", lambda: None)
+    return request.param
 
 
 def make_row(params: SamplingParams, prompt: Sequence[int] = (0,), output: Sequence[int] = (),

@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 static inline __m256 widen_f16(const uint16_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
@@ -1955,4 +1956,195 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
     }
     rms_norm_f32(hidden, residual, m->final_norm, hidden, B, H, m->eps);
     return 0;
+}
+
+/* ---- Sampling: one token per row of logits -------------------------------------------------
+ *
+ * What the Sampler's torch path does for a row (worker/sampler.py), in a few passes over the row
+ * instead of a sort of the vocabulary and an exponential per entry (at batch 64 and a vocabulary
+ * of 49152, 0.1-0.3 s a step): greedy rows take the argmax; the others softmax(logits / T)
+ * (e = exp((x - max) / T), the largest 1), then min_p (drop e < min_p: a probability below
+ * min_p times the largest), then top_k, then top_p over what is left, and one draw by the
+ * inverse CDF: the first token where the running sum of e (index order) passes u times their
+ * total. top_k and top_p find their cut without sorting: a histogram of e by its top bits
+ * (e >= 0, so its bits order it as a float does; SAMPLE_SHIFT: 4064 bins up to 1.0) says in
+ * which bin the cut falls, and only that bin's tokens are sorted. */
+#define SAMPLE_SHIFT 18
+#define SAMPLE_BINS ((0x3F800000 >> SAMPLE_SHIFT) + 1)
+#define SAMPLE_CHUNK 256  /* tokens a partial sum covers, for the draw's walk */
+
+/* The first index of the row's largest value (NaN counts as the largest, as torch.argmax has it). */
+static long argmax_row(const float *x, long V) {
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    long i = 0;
+    for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) break;  /* a NaN among these eight */
+        top = _mm256_max_ps(top, v);
+    }
+    float m = hmax(top);
+    for (long j = i; j < V; j++) {
+        if (x[j] != x[j]) return j;
+        if (x[j] > m) m = x[j];
+    }
+    const __m256 mv = _mm256_set1_ps(m);
+    long j = 0;
+    for (; j + 8 <= V; j += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), mv, _CMP_EQ_OQ));
+        if (hit) return j + __builtin_ctz(hit);
+    }
+    for (; j < V; j++)
+        if (x[j] == m) return j;
+    return 0;
+}
+
+typedef struct {
+    float e;
+    int32_t i;
+} Entry;
+
+/* larger e first; equal e: lower index first */
+static int entry_order(const void *a, const void *b) {
+    const Entry *x = a, *y = b;
+    return x->e > y->e ? -1 : x->e < y->e ? 1 : (x->i > y->i) - (x->i < y->i);
+}
+
+static inline long sample_bin(float e) {
+    uint32_t bits;
+    memcpy(&bits, &e, 4);
+    return bits >> SAMPLE_SHIFT;
+}
+
+/* The tokens of e (>= 0, 0: dropped) in the bin where a cut falls, sorted (largest first) into
+ * `bin` (room for V); returns how many. */
+static long sorted_bin(const float *e, long V, long b, Entry *bin) {
+    long n = 0;
+    for (long j = 0; j < V; j++)
+        if (e[j] > 0.0f && sample_bin(e[j]) == b) bin[n].e = e[j], bin[n].i = (int32_t)j, n++;
+    qsort(bin, n, sizeof(Entry), entry_order);
+    return n;
+}
+
+/* Drop (zero) every token of e below bin b, and of bin b's sorted tokens all from `keep` on. */
+static void cut_at(float *e, long V, long b, const Entry *bin, long n, long keep) {
+    for (long j = 0; j < V; j++)
+        if (e[j] > 0.0f && sample_bin(e[j]) < b) e[j] = 0.0f;
+    for (long j = keep; j < n; j++) e[bin[j].i] = 0.0f;
+}
+
+/* Keep the k largest of e (ties: the lower indices). */
+static void keep_top_k(float *e, long V, long k, int32_t *count, Entry *bin) {
+    memset(count, 0, sizeof(int32_t) * SAMPLE_BINS);
+    long kept = 0;
+    for (long j = 0; j < V; j++)
+        if (e[j] > 0.0f) count[sample_bin(e[j])]++, kept++;
+    if (kept <= k) return;
+    long above = 0, b = SAMPLE_BINS - 1;
+    while (above + count[b] < k) above += count[b--];
+    const long n = sorted_bin(e, V, b, bin);
+    cut_at(e, V, b, bin, n, k - above);
+}
+
+/* Keep the fewest largest of e whose mass reaches p of the total: a token stays while the mass
+ * of those before it (larger, or equal at a lower index) is below p times the total. */
+static void keep_top_p(float *e, long V, float p, float *mass, Entry *bin) {
+    memset(mass, 0, sizeof(float) * SAMPLE_BINS);
+    for (long j = 0; j < V; j++)
+        if (e[j] > 0.0f) mass[sample_bin(e[j])] += e[j];
+    float total = 0.0f;
+    for (long b = 0; b < SAMPLE_BINS; b++) total += mass[b];
+    const float target = p * total;
+    float before = 0.0f;
+    long b = SAMPLE_BINS - 1;
+    while (b >= 0 && before + mass[b] <= target) before += mass[b--];
+    if (b < 0) return;  /* rounding: every token stays */
+    const long n = sorted_bin(e, V, b, bin);
+    long keep = 0;
+    while (keep < n && before < target) before += bin[keep++].e;
+    cut_at(e, V, b, bin, n, keep);  /* keep >= 1 where no token lies above this bin */
+}
+
+/* One draw from row x: see above. e, chunk: scratch of V and V / SAMPLE_CHUNK + 1 floats. */
+static long sample_row(const float *x, long V, float temperature, float min_p, long top_k, float top_p, float u,
+                       float *e, float *chunk, int32_t *count, float *mass, Entry *bin) {
+    const long first = argmax_row(x, V);
+    const float m = x[first];
+    if (!(m > -INFINITY) || m != m || isinf(m)) return first;  /* no finite logit to weigh the rest by */
+    const __m256 top = _mm256_set1_ps(m), inv = _mm256_set1_ps(1.0f / temperature), floor = _mm256_set1_ps(min_p);
+    long j = 0;
+    for (; j + 8 <= V; j += 8) {
+        const __m256 w = exp_ps(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), top), inv));
+        _mm256_storeu_ps(e + j, _mm256_and_ps(_mm256_cmp_ps(w, floor, _CMP_GE_OQ), w));
+    }
+    for (; j < V; j++) {
+        const float w = expf((x[j] - m) / temperature);
+        e[j] = w >= min_p ? w : 0.0f;
+    }
+    e[first] = 1.0f;  /* the largest always stays (min_p <= 1) */
+    if (top_k > 0 && top_k < V) keep_top_k(e, V, top_k, count, bin);
+    if (top_p < 1.0f) keep_top_p(e, V, top_p, mass, bin);
+    float total = 0.0f;
+    for (long c = 0; c * SAMPLE_CHUNK < V; c++) {
+        __m256 s = _mm256_setzero_ps();
+        const long end = (c + 1) * SAMPLE_CHUNK < V ? (c + 1) * SAMPLE_CHUNK : V;
+        long i = c * SAMPLE_CHUNK;
+        for (; i + 8 <= end; i += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(e + i));
+        float t = hsum(s);
+        for (; i < end; i++) t += e[i];
+        chunk[c] = t;
+        total += t;
+    }
+    const float target = u * total;
+    float before = 0.0f;
+    long c = 0, last = 0;  /* the last chunk that holds a token */
+    for (; c * SAMPLE_CHUNK < V; c++) {
+        if (chunk[c] <= 0.0f) continue;
+        last = c;
+        if (before + chunk[c] > target) break;
+        before += chunk[c];
+    }
+    if (c * SAMPLE_CHUNK >= V) c = last, before = -INFINITY;  /* rounding carried the target past the sum */
+    long token = first;
+    for (long i = c * SAMPLE_CHUNK; i < V && i < (c + 1) * SAMPLE_CHUNK; i++) {
+        if (e[i] <= 0.0f) continue;
+        token = i;
+        before += e[i];
+        if (before > target) break;
+    }
+    return token;  /* past the target, or (rounding) the last token that stays */
+}
+
+/* out[b]: row b of logits [B, V] (float32)'s token: the argmax where temperature[b] is 0, else a
+ * draw as sample_row takes it with u[b] in [0, 1) (min_p 0, top_k 0, top_p 1: off). Returns 0, or
+ * -1 (nothing drawn) without memory for the scratch. */
+int sample_rows(const float *logits, long B, long V, const float *temperature, const float *min_p,
+                const int64_t *top_k, const float *top_p, const float *u, int64_t *out) {
+    int failed = 0;
+#pragma omp parallel if (B > 1 && B * V > 65536)
+    {
+        float *e = NULL, *chunk = NULL, *mass = NULL;
+        int32_t *count = NULL;
+        Entry *bin = NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (long b = 0; b < B; b++) {
+            const float *x = logits + b * V;
+            if (temperature[b] <= 0.0f) {
+                out[b] = argmax_row(x, V);
+                continue;
+            }
+            if (!e) {
+                e = malloc(sizeof(float) * V), chunk = malloc(sizeof(float) * (V / SAMPLE_CHUNK + 1));
+                mass = malloc(sizeof(float) * SAMPLE_BINS), count = malloc(sizeof(int32_t) * SAMPLE_BINS);
+                bin = malloc(sizeof(Entry) * V);
+            }
+            if (!e || !chunk || !mass || !count || !bin) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            out[b] = sample_row(x, V, temperature[b], min_p[b], top_k[b], top_p[b], u[b], e, chunk, count, mass, bin);
+        }
+        free(e), free(chunk), free(mass), free(count), free(bin);
+    }
+    return failed ? -1 : 0;
 }
