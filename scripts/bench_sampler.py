@@ -5,7 +5,8 @@
     python scripts/bench_sampler.py --batch 1 16 64 --vocab 49152
 
 Logits are random normal times --spread (1: flat, thousands of tokens inside top-p 0.9; larger:
-peaked, as a language model's are); each figure is the best of --repeats calls.
+peaked, as a language model's are); each row has 300 prompt and 100 output tokens (random), which
+the penalties read; each figure is the best of --repeats calls.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from streamserve.worker.request_state import RequestState
 from streamserve.worker.sampler import Sampler, _cpu_kernels
 
 SETTINGS = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9},
-            {"temperature": 0.7, "top_k": 50}, {"temperature": 1.0, "min_p": 0.05}]
+            {"temperature": 0.7, "top_k": 50}, {"temperature": 1.0, "min_p": 0.05},
+            {"temperature": 0.7, "repetition_penalty": 1.1},
+            {"temperature": 0.7, "frequency_penalty": 0.5, "presence_penalty": 0.5}]
+PROMPT, OUTPUT = 300, 100  # each row's tokens, for the penalties
 
 
 def main() -> None:
@@ -39,15 +43,16 @@ def main() -> None:
         logits = torch.randn(batch, args.vocab, generator=torch.Generator().manual_seed(batch)) * args.spread
         for setting in SETTINGS:
             params = SamplingParams(**setting)
-            rows = [RequestState(NewRequestData(str(i), [1], 1, params, None, block_ids=[], num_computed_tokens=0),
-                                 None) for i in range(batch)]
+            tokens = torch.randint(0, args.vocab, (batch, PROMPT + OUTPUT), generator=torch.Generator().manual_seed(1))
+            rows = [RequestState(NewRequestData(str(i), tokens[i].tolist(), PROMPT, params, None, block_ids=[],
+                                                num_computed_tokens=0), None) for i in range(batch)]
             best = {name: float("inf") for name in paths}
             for _ in range(args.repeats):
                 for name, sampler in paths.items():
                     start = time.perf_counter()
                     sampler(logits, rows)
                     best[name] = min(best[name], time.perf_counter() - start)
-            print(f"batch {batch:3d} {str(setting):45s} torch {best['torch'] * 1e3:8.2f} ms   "
+            print(f"batch {batch:3d} {str(setting):70s} torch {best['torch'] * 1e3:8.2f} ms   "
                   f"C {best['C'] * 1e3:7.2f} ms   {best['torch'] / best['C']:6.1f}x")
 
 

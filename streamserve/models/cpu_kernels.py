@@ -268,6 +268,9 @@ class CpuKernels:
         self._sample = lib.sample_rows
         self._sample.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 6
         self._sample.restype = ctypes.c_int
+        self._penalties = lib.apply_penalties
+        self._penalties.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 6
+        self._penalties.restype = ctypes.c_int
 
     def paged_decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -348,6 +351,23 @@ class CpuKernels:
         if self._sample(logits.data_ptr(), rows, vocab, *(a.ctypes.data for a in args), out.data_ptr()):
             raise MemoryError("the C sampler found no memory for its scratch")
         return out
+
+    def apply_penalties(self, logits: torch.Tensor, ids: np.ndarray, offsets: np.ndarray, prompt_len: np.ndarray,
+                        rep: np.ndarray, freq: np.ndarray, pres: np.ndarray) -> None:
+        """The Sampler's penalties on logits [B, V] (float32, contiguous), in place: row b's tokens
+        are ids[offsets[b]:offsets[b + 1]] (int64), its prompt's the first prompt_len[b]; rep, freq
+        and pres (float32) per row, as Sampler.apply_penalties takes them."""
+        rows, vocab = logits.shape
+        ints = [np.ascontiguousarray(a, dtype=np.int64) for a in (ids, offsets, prompt_len)]
+        floats = [np.ascontiguousarray(a, dtype=np.float32) for a in (rep, freq, pres)]
+        if (logits.dtype != torch.float32 or not logits.is_contiguous() or ints[1].shape != (rows + 1,)
+                or ints[1][0] != 0 or ints[1][-1] != len(ints[0]) or np.any(np.diff(ints[1]) < ints[2])
+                or any(a.shape != (rows,) for a in [ints[2], *floats])):
+            raise ValueError("apply_penalties takes contiguous float32 logits [B, V], int64 token IDs, offsets "
+                             "[B + 1] from 0 to their count and prompt lengths within each row's, and one "
+                             "float32 of each penalty per row")
+        if self._penalties(logits.data_ptr(), rows, vocab, *(a.ctypes.data for a in ints + floats)):
+            raise MemoryError("the C penalties found no memory for their counts")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _check_rows(x)

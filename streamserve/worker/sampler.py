@@ -75,7 +75,8 @@ class Sampler:
         if any(r.params.logit_bias for r in rows):
             logits = self._add_logit_bias(logits, rows)
         if any(r.params.has_penalties for r in rows):
-            logits = self.apply_penalties(logits, rows)
+            logits = (self._penalties_in_c(logits, rows) if self.kernels is not None and logits.device.type == "cpu"
+                      else self.apply_penalties(logits, rows))
         tokens = self._choose(logits, rows)
         token_list = tokens.tolist()
         logprobs = None if raw_logprobs is None else gather_logprobs(raw_logprobs, tokens,
@@ -114,9 +115,11 @@ class Sampler:
             if rows[i].generator is not None:
                 u[i] = torch.rand(1, generator=rows[i].generator).item()
         params = [r.params for r in rows]
+        vocab = logits.shape[1]  # a top_k past it (2^70: the API has no bound) keeps it all, as 0 does
         return self.kernels.sample(
             logits, np.array([0.0 if p.greedy else p.temperature for p in params], dtype=np.float32),
-            np.array([p.min_p for p in params], dtype=np.float32), np.array([p.top_k for p in params], dtype=np.int64),
+            np.array([p.min_p for p in params], dtype=np.float32),
+            np.array([p.top_k if p.top_k < vocab else 0 for p in params], dtype=np.int64),
             np.array([p.top_p for p in params], dtype=np.float32), u)
 
     def _filtered_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -180,6 +183,30 @@ class Sampler:
         values = self.stage(np.fromiter((v for b in biases for v in b.values()), dtype=np.float32,
                                         count=sum(map(len, biases))))
         return logits.index_put(index, values, accumulate=True)
+
+    def _penalties_in_c(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """apply_penalties through the C kernels, on a copy: a pass over each penalised row's own
+        tokens (its prompt's only where it has a repetition penalty)."""
+        logits = logits.contiguous().clone()
+        lists, prompt_len = [], np.zeros(len(rows), dtype=np.int64)
+        for i, r in enumerate(rows):
+            p = r.params
+            if not p.has_penalties:
+                lists.append(np.empty(0, dtype=np.int64))
+            elif p.repetition_penalty != 1.0:
+                lists.append(np.array(r.token_ids, dtype=np.int64))
+                prompt_len[i] = r.num_prompt_tokens
+            else:
+                lists.append(np.array(r.token_ids[r.num_prompt_tokens:], dtype=np.int64))
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum([len(ids) for ids in lists], out=offsets[1:])
+        ids = np.concatenate(lists)
+        params = [r.params for r in rows]
+        self.kernels.apply_penalties(logits, ids, offsets, prompt_len,
+                                     np.array([p.repetition_penalty for p in params], dtype=np.float32),
+                                     np.array([p.frequency_penalty for p in params], dtype=np.float32),
+                                     np.array([p.presence_penalty for p in params], dtype=np.float32))
+        return logits
 
     def apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Repetition penalty over prompt and output tokens (divide positive logits,

@@ -267,6 +267,30 @@ def test_apply_penalties_matches_hand_computation():
     assert torch.equal(out[1], raw)  # a row without penalties is left alone
 
 
+def test_c_penalties_match_the_torch_path(choice_path):
+    """The C kernels' penalties (a pass over each row's own tokens) give the torch path's logits:
+    repeated and prompt-only tokens, rows with one penalty, all three, or none, tokens at both
+    ends of the vocabulary."""
+    if choice_path != "c":
+        pytest.skip("the C path's own test")
+    gen = torch.Generator().manual_seed(8)
+    vocab = 1000
+    settings = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.4), dict(presence_penalty=-0.7),
+                dict(repetition_penalty=0.8, frequency_penalty=0.2, presence_penalty=0.3), dict()]
+    rows = []
+    for i, kw in enumerate(settings * 2):
+        prompt = torch.randint(0, vocab, (30,), generator=gen).tolist() + [0, vocab - 1]
+        output = torch.randint(0, 40, (25,), generator=gen).tolist() + [vocab - 1]  # repeats
+        rows.append(make_row(SamplingParams(**kw), prompt=prompt, output=output, req_id=str(i)))
+    logits = torch.randn(len(rows), vocab, generator=gen) * 3
+    sampler = Sampler(CPU, seed=0)
+    before = logits.clone()
+    c = sampler._penalties_in_c(logits, rows)
+    assert torch.equal(logits, before)  # on a copy
+    torch.testing.assert_close(c, sampler.apply_penalties(logits, rows), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(c, logits)
+
+
 @pytest.mark.parametrize("params, prompt, output, expected", [
     # repetition: positive seen logit divided (2.0 -> 1.0 < 1.5)
     (SamplingParams(temperature=0, repetition_penalty=2.0), [0], [], 1),
@@ -415,9 +439,11 @@ def test_min_p_filters_before_top_p_measures_its_mass():
     assert (probs[0] > 0).tolist() == [True, True, False, False]
 
 
-def test_the_per_row_settings_reach_the_device_through_the_staging_buffer(monkeypatch):
+def test_the_per_row_settings_reach_the_device_through_the_staging_buffer(monkeypatch, choice_path):
     """Every per-row setting and token list goes through `stage` (pinned, non-blocking on a
     GPU), none through torch.tensor(list, device=...), a synchronous copy per call there."""
+    if choice_path == "c":
+        pytest.skip("the C path (CPU only) takes the settings and token lists as numpy arrays")
     staged = []
     sampler = Sampler(CPU, seed=0, stage=lambda a: staged.append(a) or torch.from_numpy(a))
     params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.2,
@@ -442,3 +468,6 @@ def test_a_top_k_beyond_the_vocabulary_keeps_it_all():
     rows = [make_row(SamplingParams(top_k=k), req_id=str(i)) for i, k in enumerate((2 ** 70, 2))]
     probs = Sampler(CPU, seed=0)._filtered_probs(logits, rows)
     assert torch.allclose(probs[0], torch.softmax(logits[0], -1)) and int((probs[1] > 0).sum()) == 2
+    sampler = Sampler(CPU, seed=0)  # and a whole call (the C path's int64 column too)
+    drawn = {sampler(logits, rows)[0][0] for _ in range(200)}
+    assert len(drawn) > 10

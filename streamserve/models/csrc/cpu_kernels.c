@@ -2148,3 +2148,44 @@ int sample_rows(const float *logits, long B, long V, const float *temperature, c
     }
     return failed ? -1 : 0;
 }
+
+/* Penalties on logits [B, V] (float32), in place, as the Sampler's torch path applies them:
+ * row b's tokens are ids[offsets[b] .. offsets[b + 1]), the first prompt_len[b] its prompt and
+ * the rest its output; a token seen (in the output, or in the prompt where rep[b] != 1) has its
+ * logit divided by rep[b] where positive, else multiplied; then each output token's logit
+ * loses freq[b] times its count and pres[b] once. Touches only the rows' own tokens (the torch
+ * path builds [B, V] tensors of counts). Returns 0, or -1 without memory for the counts. */
+int apply_penalties(float *logits, long B, long V, const int64_t *ids, const int64_t *offsets,
+                    const int64_t *prompt_len, const float *rep, const float *freq, const float *pres) {
+    int failed = 0;
+#pragma omp parallel if (B > 1 && offsets[B] > 4096)
+    {
+        int32_t *count = NULL;  /* per token: its count in the output + 1 where seen, 0 where not */
+#pragma omp for schedule(dynamic, 1)
+        for (long b = 0; b < B; b++) {
+            if (rep[b] == 1.0f && freq[b] == 0.0f && pres[b] == 0.0f) continue;
+            if (!count && !(count = calloc(V, sizeof(int32_t)))) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            const int64_t *p = ids + offsets[b], *out = p + prompt_len[b], *end = ids + offsets[b + 1];
+            float *x = logits + b * V;
+            if (rep[b] != 1.0f)
+                for (const int64_t *t = p; t < out; t++)
+                    if (*t >= 0 && *t < V && !count[*t]) count[*t] = 1;
+            for (const int64_t *t = out; t < end; t++)
+                if (*t >= 0 && *t < V) count[*t] += count[*t] ? 1 : 2;
+            for (const int64_t *t = rep[b] != 1.0f ? p : out; t < end; t++) {  /* each seen token once */
+                if (*t < 0 || *t >= V || !count[*t]) continue;
+                const long n = count[*t] - 1;
+                float v = x[*t];
+                v = v > 0.0f ? v / rep[b] : v * rep[b];
+                x[*t] = v - freq[b] * (float)n - (n > 0 ? pres[b] : 0.0f);
+                count[*t] = 0;
+            }
+        }
+        free(count);
+    }
+    return failed ? -1 : 0;
+}
