@@ -761,6 +761,20 @@ def test_c_sampler_draws_the_torch_paths_distribution(vocab, params, spread):
 
 
 @needs_kernel
+@pytest.mark.parametrize("vocab", [16, 49152])  # top_p over every token; over the few above its floor
+def test_c_sampler_top_p_cuts_inside_a_bin(vocab):
+    """Two tokens in one bin of the histogram (probabilities 0.152 and 0.151), top_p 0.7: the mass
+    before the first (0.65) is below it, before the second (0.802) not, so the first stays and the
+    second goes, whichever way keep_top_p takes (a long peaked row drops its tail first)."""
+    probs = torch.full((vocab,), 0.047 / (vocab - 4))
+    probs[:4] = torch.tensor([0.4, 0.25, 0.152, 0.151])
+    observed = c_draws(probs.log(), SamplingParams(temperature=1.0, top_p=0.7), 20000)
+    assert set(observed.nonzero().flatten().tolist()) == {0, 1, 2}
+    torch.testing.assert_close(observed[:3], torch.tensor([0.4, 0.25, 0.152], dtype=torch.float64) / 0.802,
+                               atol=2e-4, rtol=0)
+
+
+@needs_kernel
 def test_c_sampler_edges():
     """Greedy rows take the first largest logit (a NaN first, as torch.argmax); ties at top_k's
     cut keep the lower indices; a row whose logits are all -inf but one draws that one; u just

@@ -2045,23 +2045,78 @@ static void keep_top_k(float *e, long V, long k, int32_t *count, Entry *bin) {
     cut_at(e, V, b, bin, n, k - above);
 }
 
-/* Keep the fewest largest of e whose mass reaches p of the total: a token stays while the mass
- * of those before it (larger, or equal at a lower index) is below p times the total. */
-static void keep_top_p(float *e, long V, float p, float *mass, Entry *bin) {
+/* The highest bin whose tokens' mass, with that of the bins above (*before), passes target: the
+ * bin where top_p's cut falls; -1 where none does (rounding). */
+static long crossing_bin(const float *mass, float target, float *before) {
+    long b = SAMPLE_BINS - 1;
+    *before = 0.0f;
+    while (b >= 0 && *before + mass[b] <= target) *before += mass[b--];
+    return b;
+}
+
+/* keep_top_p's cut over every token of e: the crossing bin found from a histogram of them all. */
+static void keep_top_p_all(float *e, long V, float target, float *mass, Entry *bin) {
     memset(mass, 0, sizeof(float) * SAMPLE_BINS);
     for (long j = 0; j < V; j++)
         if (e[j] > 0.0f) mass[sample_bin(e[j])] += e[j];
-    float total = 0.0f;
-    for (long b = 0; b < SAMPLE_BINS; b++) total += mass[b];
-    const float target = p * total;
-    float before = 0.0f;
-    long b = SAMPLE_BINS - 1;
-    while (b >= 0 && before + mass[b] <= target) before += mass[b--];
+    float before;
+    const long b = crossing_bin(mass, target, &before);
     if (b < 0) return;  /* rounding: every token stays */
     const long n = sorted_bin(e, V, b, bin);
     long keep = 0;
     while (keep < n && before < target) before += bin[keep++].e;
     cut_at(e, V, b, bin, n, keep);  /* keep >= 1 where no token lies above this bin */
+}
+
+/* Keep the fewest largest of e whose mass reaches p of the total: a token stays while the mass
+ * of those before it (larger, or equal at a lower index) is below p times the total. A token at
+ * or below (1 - p) / V of the total never stays (all such weigh at most 1 - p of it, so those
+ * above weigh at least p): where those are most of the row (a peaked distribution), they are
+ * dropped in one pass and only the rest (`cand`, room for V) binned, then the crossing bin's
+ * sorted (batch 64 of 49152 tokens, logits of spread 4 at T 0.7: 8.6-11.2 -> 4.1-4.4 ms). */
+static void keep_top_p(float *e, long V, float p, float *mass, Entry *cand) {
+    __m256 sum = _mm256_setzero_ps();
+    long j = 0;
+    for (; j + 8 <= V; j += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(e + j));
+    float total = hsum(sum);
+    for (; j < V; j++) total += e[j];
+    const float target = p * total, floor = (1.0f - p) * total / (float)V;
+    const __m256 fl = _mm256_set1_ps(floor);
+    long n = 0;
+    for (j = 0; j + 8 <= V; j += 8) n += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(e + j), fl, _CMP_GT_OQ)));
+    if (n > V / 8) {  /* a flat distribution: most tokens are candidates, and a pass over all costs less */
+        keep_top_p_all(e, V, target, mass, cand);
+        return;
+    }
+    n = 0;
+    for (j = 0; j + 8 <= V; j += 8) {
+        const __m256 v = _mm256_loadu_ps(e + j), above = _mm256_cmp_ps(v, fl, _CMP_GT_OQ);
+        int hit = _mm256_movemask_ps(above);
+        if (hit != 0xff) _mm256_storeu_ps(e + j, _mm256_and_ps(v, above));
+        for (; hit; hit &= hit - 1) {
+            const long i = j + __builtin_ctz(hit);
+            cand[n].e = e[i], cand[n].i = (int32_t)i, n++;
+        }
+    }
+    for (; j < V; j++) {
+        if (e[j] > floor) cand[n].e = e[j], cand[n].i = (int32_t)j, n++;
+        else e[j] = 0.0f;
+    }
+    memset(mass, 0, sizeof(float) * SAMPLE_BINS);
+    for (long c = 0; c < n; c++) mass[sample_bin(cand[c].e)] += cand[c].e;
+    float before;
+    const long b = crossing_bin(mass, target, &before);
+    if (b < 0) return;  /* rounding: every candidate stays */
+    long nb = 0;  /* the crossing bin's candidates, gathered to the front; those below it dropped */
+    for (long c = 0; c < n; c++) {
+        const long bc = sample_bin(cand[c].e);
+        if (bc < b) e[cand[c].i] = 0.0f;
+        else if (bc == b) cand[nb++] = cand[c];
+    }
+    qsort(cand, nb, sizeof(Entry), entry_order);
+    long keep = 0;  /* >= 1 where no token lies above this bin */
+    while (keep < nb && before < target) before += cand[keep++].e;
+    for (long c = keep; c < nb; c++) e[cand[c].i] = 0.0f;
 }
 
 /* One draw from row x: see above. e, chunk: scratch of V and V / SAMPLE_CHUNK + 1 floats. */
