@@ -799,3 +799,5 @@ def test_c_sampler_edges():
     peaked = [5.0, 1.0, 0.0, -1.0] + [-9.0] * 12
     assert one(peaked, top_p=0.5, u=0.99999994) == 0  # top_p keeps only the first
     assert one(peaked, u=np.nextafter(np.float32(1), np.float32(0))) in range(16)
+    # an infinite temperature (validation admits it) weighs every finite logit alike; -inf stays out
+    assert {one(masked[:11] + [0.0, 7.0], temperature=float("inf"), top_p=0.9, u=u) for u in (0.1, 0.9)} == {11, 12}

@@ -2012,7 +2012,8 @@ static int entry_order(const void *a, const void *b) {
 static inline long sample_bin(float e) {
     uint32_t bits;
     memcpy(&bits, &e, 4);
-    return bits >> SAMPLE_SHIFT;
+    const long b = bits >> SAMPLE_SHIFT;
+    return b < SAMPLE_BINS ? b : SAMPLE_BINS - 1;  /* e <= 1, but no rounding may index past the bins */
 }
 
 /* The tokens of e (>= 0, 0: dropped) in the bin where a cut falls, sorted (largest first) into
