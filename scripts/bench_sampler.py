@@ -24,7 +24,8 @@ from streamserve.worker.sampler import Sampler, _cpu_kernels
 SETTINGS = [{"temperature": 0.0}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9},
             {"temperature": 0.7, "top_k": 50}, {"temperature": 1.0, "min_p": 0.05},
             {"temperature": 0.7, "repetition_penalty": 1.1},
-            {"temperature": 0.7, "frequency_penalty": 0.5, "presence_penalty": 0.5}]
+            {"temperature": 0.7, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+            {"temperature": 0.7, "logprobs": 5}]
 PROMPT, OUTPUT = 300, 100  # each row's tokens, for the penalties
 
 

@@ -271,6 +271,10 @@ class CpuKernels:
         self._penalties = lib.apply_penalties
         self._penalties.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 6
         self._penalties.restype = ctypes.c_int
+        self._logprobs = lib.token_logprobs
+        self._logprobs.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_long] + [ctypes.c_void_p] * 4)
+        self._logprobs.restype = None
 
     def paged_decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -368,6 +372,27 @@ class CpuKernels:
                              "float32 of each penalty per row")
         if self._penalties(logits.data_ptr(), rows, vocab, *(a.ctypes.data for a in ints + floats)):
             raise MemoryError("the C penalties found no memory for their counts")
+
+    def token_logprobs(self, logits: torch.Tensor, tokens: np.ndarray, top_n: np.ndarray
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """log_softmax's view of rows of logits [B, V] (float32): for each row whose top_n (int64)
+        is >= 0, its token's logprob and rank (1 + the tokens of higher logprob) and its top_n best
+        tokens' IDs and logprobs, best first -> (chosen [B], rank [B], top IDs [B, max], top logprobs
+        [B, max]); rows with top_n -1 are left as zeros."""
+        logits = logits.contiguous()
+        rows, vocab = logits.shape
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        top_n = np.ascontiguousarray(top_n, dtype=np.int64)
+        if (logits.dtype != torch.float32 or tokens.shape != (rows,) or top_n.shape != (rows,)
+                or np.any((tokens < 0) | (tokens >= vocab)) or np.any(top_n > vocab)):
+            raise ValueError(f"token_logprobs takes float32 logits [B, V], a token below V and a count of at most "
+                             f"V per row; got {logits.dtype} {tuple(logits.shape)}, {tokens}, {top_n}")
+        max_n = max(int(top_n.max(initial=0)), 1)
+        chosen, rank = np.zeros(rows, dtype=np.float32), np.zeros(rows, dtype=np.int64)
+        top_ids, top_vals = np.zeros((rows, max_n), dtype=np.int64), np.zeros((rows, max_n), dtype=np.float32)
+        self._logprobs(logits.data_ptr(), rows, vocab, tokens.ctypes.data, top_n.ctypes.data, max_n,
+                       chosen.ctypes.data, rank.ctypes.data, top_ids.ctypes.data, top_vals.ctypes.data)
+        return chosen, rank, top_ids, top_vals
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _check_rows(x)

@@ -68,23 +68,25 @@ class Sampler:
         if allowed is not None and any(mask is not None for mask in allowed):
             logits = self._keep_allowed(logits, allowed)
         raw_logprobs = None
+        in_c = self.kernels is not None and logits.device.type == "cpu"
         if any(r.params.logprobs is not None for r in rows):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+            raw_logprobs = logits if in_c else torch.log_softmax(logits, dim=-1)  # C: the logits, read after
         if any(r.params.min_tokens for r in rows):
             logits = self._suppress_stops(logits, rows)
         if any(r.params.logit_bias for r in rows):
             logits = self._add_logit_bias(logits, rows)
         if any(r.params.has_penalties for r in rows):
-            logits = (self._penalties_in_c(logits, rows) if self.kernels is not None and logits.device.type == "cpu"
-                      else self.apply_penalties(logits, rows))
+            logits = self._penalties_in_c(logits, rows) if in_c else self.apply_penalties(logits, rows)
         tokens = self._choose(logits, rows)
         token_list = tokens.tolist()
-        logprobs = None if raw_logprobs is None else gather_logprobs(raw_logprobs, tokens,
-                                                                     [r.params.logprobs for r in rows])
+        counts = [r.params.logprobs for r in rows]
+        logprobs = (None if raw_logprobs is None
+                    else logprobs_in_c(self.kernels, raw_logprobs, tokens, counts) if in_c
+                    else gather_logprobs(raw_logprobs, tokens, counts))
         return token_list, logprobs
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        if self.kernels is not None and logits.device.type == "cpu":
+        if self.kernels is not None and logits.device.type == "cpu":  # (tests call it alone)
             return self._choose_in_c(logits, rows)
         greedy = logits.argmax(dim=-1)
         if all(r.params.greedy for r in rows):
@@ -243,4 +245,16 @@ def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor,
     top_ids_l = top_ids.tolist() if max_n else None
     return [None if n is None else TokenLogprobs(chosen_l[i], ranks_l[i], top_ids_l[i][:n] if n else [],
                                                  top_vals_l[i][:n] if n else [])
+            for i, n in enumerate(counts)]
+
+
+def logprobs_in_c(kernels, logits: torch.Tensor, tokens: torch.Tensor,
+                  counts: list[Optional[int]]) -> list[Optional[TokenLogprobs]]:
+    """gather_logprobs(log_softmax(logits), ...) through the C kernels (CPU logits): one exp pass and
+    one comparing pass a row that asks, no [B, V] tensor of logprobs."""
+    chosen, rank, top_ids, top_vals = kernels.token_logprobs(
+        logits, tokens.numpy(), np.array([-1 if n is None else n for n in counts], dtype=np.int64))
+    chosen_l, rank_l = np.maximum(chosen, LOGPROB_FLOOR).tolist(), rank.tolist()
+    return [None if n is None else TokenLogprobs(chosen_l[i], rank_l[i], top_ids[i, :n].tolist(),
+                                                 np.maximum(top_vals[i, :n], LOGPROB_FLOOR).tolist())
             for i, n in enumerate(counts)]

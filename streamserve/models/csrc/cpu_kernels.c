@@ -2245,3 +2245,60 @@ int apply_penalties(float *logits, long B, long V, const int64_t *ids, const int
     }
     return failed ? -1 : 0;
 }
+
+/* Logprobs of rows of logits [B, V] (float32), as log_softmax would give them: where top_n[b] >= 0,
+ * row b's token tokens[b] gets its logprob chosen[b] and rank[b] (1 + the tokens of higher
+ * logprob), and its top_n[b] (<= max_n) best tokens their IDs and logprobs, best first (ties: the
+ * lower ID), into rows max_n apart of top_ids and top_vals. Rows with top_n -1 are skipped. One
+ * exp pass and one comparing pass a row; the top list kept sorted as the row is read. */
+void token_logprobs(const float *logits, long B, long V, const int64_t *tokens, const int64_t *top_n, long max_n,
+                    float *chosen, int64_t *rank, int64_t *top_ids, float *top_vals) {
+#pragma omp parallel for schedule(dynamic, 1) if (B > 1 && B * V > 65536)
+    for (long b = 0; b < B; b++) {
+        if (top_n[b] < 0) continue;
+        const float *x = logits + b * V;
+        const float m = x[argmax_row(x, V)];
+        float sum = 0.0f;
+        if (m > -INFINITY && m < INFINITY) {
+            const __m256 top = _mm256_set1_ps(m);
+            __m256 s = _mm256_setzero_ps();
+            long j = 0;
+            for (; j + 8 <= V; j += 8) s = _mm256_add_ps(s, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), top)));
+            sum = hsum(s);
+            for (; j < V; j++) sum += expf(x[j] - m);
+        }
+        const float logsum = logf(sum);  /* raw_i = (x_i - m) - logsum, as log_softmax rounds it */
+        const float mine = (x[tokens[b]] - m) - logsum;
+        long higher = 0;
+        const long n = top_n[b];
+        int64_t *ids = top_ids + b * max_n;
+        float *vals = top_vals + b * max_n;
+        long have = 0, j = 0;
+#define INTO_TOP(R, J)                                                                            \
+    if (n && (have < n || (R) > vals[n - 1])) {  /* into the sorted top list */                   \
+        long at = have < n ? have++ : n - 1;                                                      \
+        while (at > 0 && vals[at - 1] < (R)) vals[at] = vals[at - 1], ids[at] = ids[at - 1], at--; \
+        vals[at] = (R), ids[at] = (J);                                                            \
+    }
+        const __m256 vm = _mm256_set1_ps(m), vl = _mm256_set1_ps(logsum), vmine = _mm256_set1_ps(mine);
+        for (; j + 8 <= V; j += 8) {
+            float r[8];
+            const __m256 v = _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(x + j), vm), vl);
+            higher += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(v, vmine, _CMP_GT_OQ)));
+            int hit = !n ? 0 : have < n ? 0xff : _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(vals[n - 1]), _CMP_GT_OQ));
+            if (!hit) continue;
+            _mm256_storeu_ps(r, v);
+            for (; hit; hit &= hit - 1) {
+                const int i = __builtin_ctz(hit);
+                INTO_TOP(r[i], j + i)
+            }
+        }
+        for (; j < V; j++) {
+            const float r = (x[j] - m) - logsum;
+            higher += r > mine;
+            INTO_TOP(r, j)
+        }
+#undef INTO_TOP
+        chosen[b] = mine, rank[b] = higher + 1;
+    }
+}
