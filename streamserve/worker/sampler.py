@@ -11,10 +11,11 @@ HostStaging: pinned, non-blocking on a GPU), so the only sync in a step is readi
 sampled tokens back.
 
 On the CPU, where the C kernels build (models/cpu_kernels.py), the choice itself (greedy argmax,
-temperature, min-p, top-k, top-p, the draw) runs in C instead, in a few passes over each row:
-the torch path's sort of the vocabulary and exponential per entry cost 0.1-0.3 s a step at batch
-64 of a 49152-token vocabulary. Its draw is the inverse CDF at one uniform per row (a seeded
-request's from its own generator), the same distribution as the torch path's, not the same tokens.
+temperature, min-p, top-k, top-p, the draw), the penalties and the logprobs run in C instead, in
+a few passes over each row: the torch path's sort of the vocabulary, exponential per entry,
+[B, V] count tensors and log_softmax cost 0.1-0.3 s a step at batch 64 of a 49152-token
+vocabulary. Its draw is the inverse CDF at one uniform per row (a seeded request's from its own
+generator), the same distribution as the torch path's, not the same tokens.
 """
 
 from __future__ import annotations
