@@ -775,6 +775,18 @@ def test_c_sampler_top_p_cuts_inside_a_bin(vocab):
 
 
 @needs_kernel
+@pytest.mark.parametrize("vocab", [16, 49152])  # top_k over every token; over the few above a floor
+def test_c_sampler_top_k_cuts_inside_a_bin(vocab):
+    """The third and fourth largest in one bin of the histogram (logits -0.95 and -0.96), top_k 3:
+    the third stays and the fourth goes, whichever way keep_top_k takes."""
+    logits = torch.full((vocab,), -30.0)
+    logits[:4] = torch.tensor([0.0, -0.5, -0.95, -0.96])
+    observed = c_draws(logits, SamplingParams(temperature=1.0, top_k=3), 20000)
+    assert set(observed.nonzero().flatten().tolist()) == {0, 1, 2}
+    torch.testing.assert_close(observed[:3], torch.softmax(logits[:3].double(), -1), atol=2e-4, rtol=0)
+
+
+@needs_kernel
 def test_c_sampler_edges():
     """Greedy rows take the first largest logit (a NaN first, as torch.argmax); ties at top_k's
     cut keep the lower indices; a row whose logits are all -inf but one draws that one; u just

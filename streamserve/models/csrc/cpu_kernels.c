@@ -2033,14 +2033,69 @@ static void cut_at(float *e, long V, long b, const Entry *bin, long n, long keep
     for (long j = keep; j < n; j++) e[bin[j].i] = 0.0f;
 }
 
-/* Keep the k largest of e (ties: the lower indices). */
+/* Drop (zero) the tokens of e at or below `floor` and list the rest in cand (room for V), in order;
+ * returns how many. */
+static long above_floor(float *e, long V, float floor, Entry *cand) {
+    const __m256 fl = _mm256_set1_ps(floor);
+    long n = 0, j = 0;
+    for (; j + 8 <= V; j += 8) {
+        const __m256 v = _mm256_loadu_ps(e + j), above = _mm256_cmp_ps(v, fl, _CMP_GT_OQ);
+        int hit = _mm256_movemask_ps(above);
+        if (hit != 0xff) _mm256_storeu_ps(e + j, _mm256_and_ps(v, above));
+        for (; hit; hit &= hit - 1) {
+            const long i = j + __builtin_ctz(hit);
+            cand[n].e = e[i], cand[n].i = (int32_t)i, n++;
+        }
+    }
+    for (; j < V; j++) {
+        if (e[j] > floor) cand[n].e = e[j], cand[n].i = (int32_t)j, n++;
+        else e[j] = 0.0f;
+    }
+    return n;
+}
+
+/* Of the n candidates, drop (zero in e) those below bin b and gather bin b's to the front of
+ * cand, sorted (largest first); returns how many those are. */
+static long crossing_candidates(float *e, Entry *cand, long n, long b) {
+    long nb = 0;
+    for (long c = 0; c < n; c++) {
+        const long bc = sample_bin(cand[c].e);
+        if (bc < b) e[cand[c].i] = 0.0f;
+        else if (bc == b) cand[nb++] = cand[c];
+    }
+    qsort(cand, nb, sizeof(Entry), entry_order);
+    return nb;
+}
+
+/* Keep the k largest of e (ties: the lower indices). Where at least k tokens weigh more than a
+ * floor (2^-8, 2^-16 or 2^-24 of the largest: the highest that k pass) and those are few (a
+ * peaked distribution), the rest are dropped in one pass and only those binned. */
 static void keep_top_k(float *e, long V, long k, int32_t *count, Entry *bin) {
+    static const float floors[3] = {0x1p-8f, 0x1p-16f, 0x1p-24f};
+    long over[3] = {0, 0, 0}, j = 0;
+    for (; j + 8 <= V; j += 8) {
+        const __m256 v = _mm256_loadu_ps(e + j);
+        for (int f = 0; f < 3; f++)
+            over[f] += __builtin_popcount(_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(floors[f]), _CMP_GT_OQ)));
+    }
+    for (; j < V; j++)
+        for (int f = 0; f < 3; f++) over[f] += e[j] > floors[f];
+    int f = 0;
+    while (f < 3 && over[f] < k) f++;
     memset(count, 0, sizeof(int32_t) * SAMPLE_BINS);
+    long above = 0, b = SAMPLE_BINS - 1;
+    if (f < 3 && over[f] <= V / 8) {
+        const long n = above_floor(e, V, floors[f], bin);
+        for (long c = 0; c < n; c++) count[sample_bin(bin[c].e)]++;
+        while (above + count[b] < k) above += count[b--];
+        const long nb = crossing_candidates(e, bin, n, b);
+        for (long c = k - above; c < nb; c++) e[bin[c].i] = 0.0f;
+        return;
+    }
     long kept = 0;
-    for (long j = 0; j < V; j++)
+    for (j = 0; j < V; j++)
         if (e[j] > 0.0f) count[sample_bin(e[j])]++, kept++;
     if (kept <= k) return;
-    long above = 0, b = SAMPLE_BINS - 1;
     while (above + count[b] < k) above += count[b--];
     const long n = sorted_bin(e, V, b, bin);
     cut_at(e, V, b, bin, n, k - above);
@@ -2089,32 +2144,13 @@ static void keep_top_p(float *e, long V, float p, float *mass, Entry *cand) {
         keep_top_p_all(e, V, target, mass, cand);
         return;
     }
-    n = 0;
-    for (j = 0; j + 8 <= V; j += 8) {
-        const __m256 v = _mm256_loadu_ps(e + j), above = _mm256_cmp_ps(v, fl, _CMP_GT_OQ);
-        int hit = _mm256_movemask_ps(above);
-        if (hit != 0xff) _mm256_storeu_ps(e + j, _mm256_and_ps(v, above));
-        for (; hit; hit &= hit - 1) {
-            const long i = j + __builtin_ctz(hit);
-            cand[n].e = e[i], cand[n].i = (int32_t)i, n++;
-        }
-    }
-    for (; j < V; j++) {
-        if (e[j] > floor) cand[n].e = e[j], cand[n].i = (int32_t)j, n++;
-        else e[j] = 0.0f;
-    }
+    n = above_floor(e, V, floor, cand);
     memset(mass, 0, sizeof(float) * SAMPLE_BINS);
     for (long c = 0; c < n; c++) mass[sample_bin(cand[c].e)] += cand[c].e;
     float before;
     const long b = crossing_bin(mass, target, &before);
     if (b < 0) return;  /* rounding: every candidate stays */
-    long nb = 0;  /* the crossing bin's candidates, gathered to the front; those below it dropped */
-    for (long c = 0; c < n; c++) {
-        const long bc = sample_bin(cand[c].e);
-        if (bc < b) e[cand[c].i] = 0.0f;
-        else if (bc == b) cand[nb++] = cand[c];
-    }
-    qsort(cand, nb, sizeof(Entry), entry_order);
+    const long nb = crossing_candidates(e, cand, n, b);
     long keep = 0;  /* >= 1 where no token lies above this bin */
     while (keep < nb && before < target) before += cand[keep++].e;
     for (long c = keep; c < nb; c++) e[cand[c].i] = 0.0f;
