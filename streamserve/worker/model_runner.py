@@ -28,7 +28,7 @@ from streamserve.worker.block_table import BlockTable
 from streamserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from streamserve.worker.request_state import RequestState
 from streamserve.worker.triton_attention import TritonAttentionMetadata, TritonPagedAttention
-from streamserve.worker.sampler import Sampler, gather_logprobs, logprobs_in_c
+from streamserve.worker.sampler import Sampler
 from streamserve.worker.staging import HostStaging
 
 logger = logging.getLogger(__name__)
@@ -348,10 +348,7 @@ class ModelRunner:
         for start in range(0, len(prompt_rows), PROMPT_LOGPROBS_ROWS):  # [rows, vocab] float32 a slice at a time
             part = slice(start, start + PROMPT_LOGPROBS_ROWS)
             logits = self.model.compute_logits(hidden[rows[part]], self._reads_copies(len(counts[part]))).float()
-            if self.sampler.kernels is not None and logits.device.type == "cpu":
-                entries += logprobs_in_c(self.sampler.kernels, logits, targets[part], counts[part])
-            else:
-                entries += gather_logprobs(torch.log_softmax(logits, dim=-1), targets[part], counts[part])
+            entries += self.sampler.logprobs(logits, targets[part], counts[part])
         result: dict[str, tuple[int, list]] = {}
         for (_, _, state, position), entry in zip(prompt_rows, entries):
             result.setdefault(state.req_id, (position, []))[1].append(entry)

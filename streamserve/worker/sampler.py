@@ -68,26 +68,33 @@ class Sampler:
         logits = logits.float()
         if allowed is not None and any(mask is not None for mask in allowed):
             logits = self._keep_allowed(logits, allowed)
-        raw_logprobs = None
-        in_c = self.kernels is not None and logits.device.type == "cpu"
-        if any(r.params.logprobs is not None for r in rows):
-            raw_logprobs = logits if in_c else torch.log_softmax(logits, dim=-1)  # C: the logits, read after
+        # the logits the logprobs describe (the steps below make new tensors: these stay as they are)
+        raw = logits if any(r.params.logprobs is not None for r in rows) else None
         if any(r.params.min_tokens for r in rows):
             logits = self._suppress_stops(logits, rows)
         if any(r.params.logit_bias for r in rows):
             logits = self._add_logit_bias(logits, rows)
         if any(r.params.has_penalties for r in rows):
-            logits = self._penalties_in_c(logits, rows) if in_c else self.apply_penalties(logits, rows)
+            logits = self._penalties_in_c(logits, rows) if self._in_c(logits) else self.apply_penalties(logits, rows)
         tokens = self._choose(logits, rows)
         token_list = tokens.tolist()
-        counts = [r.params.logprobs for r in rows]
-        logprobs = (None if raw_logprobs is None
-                    else logprobs_in_c(self.kernels, raw_logprobs, tokens, counts) if in_c
-                    else gather_logprobs(raw_logprobs, tokens, counts))
+        logprobs = None if raw is None else self.logprobs(raw, tokens, [r.params.logprobs for r in rows])
         return token_list, logprobs
 
+    def _in_c(self, logits: torch.Tensor) -> bool:
+        """Whether the C kernels take these logits (on the CPU, where they build)."""
+        return self.kernels is not None and logits.device.type == "cpu"
+
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
+                 counts: list[Optional[int]]) -> list[Optional[TokenLogprobs]]:
+        """Per row of logits, its token's logprob and rank under log_softmax(logits), with the top
+        counts[i] (None: nothing for that row): gather_logprobs, or the C kernels' (logprobs_in_c)."""
+        if self._in_c(logits):
+            return logprobs_in_c(self.kernels, logits, tokens, counts)
+        return gather_logprobs(torch.log_softmax(logits, dim=-1), tokens, counts)
+
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        if self.kernels is not None and logits.device.type == "cpu":  # (tests call it alone)
+        if self._in_c(logits):
             return self._choose_in_c(logits, rows)
         greedy = logits.argmax(dim=-1)
         if all(r.params.greedy for r in rows):
@@ -241,11 +248,16 @@ def gather_logprobs(raw: torch.Tensor, tokens: torch.Tensor,
     ranks = (raw > chosen).sum(dim=-1) + 1
     max_n = max(n or 0 for n in counts)
     top_vals, top_ids = (raw.topk(max_n, dim=-1) if max_n else (None, None))
-    chosen_l, ranks_l = chosen.squeeze(1).clamp_min(LOGPROB_FLOOR).tolist(), ranks.tolist()
-    top_vals_l = top_vals.clamp_min(LOGPROB_FLOOR).tolist() if max_n else None
-    top_ids_l = top_ids.tolist() if max_n else None
-    return [None if n is None else TokenLogprobs(chosen_l[i], ranks_l[i], top_ids_l[i][:n] if n else [],
-                                                 top_vals_l[i][:n] if n else [])
+    return _entries(chosen.squeeze(1).clamp_min(LOGPROB_FLOOR).tolist(), ranks.tolist(),
+                    top_ids.tolist() if max_n else None,
+                    top_vals.clamp_min(LOGPROB_FLOOR).tolist() if max_n else None, counts)
+
+
+def _entries(chosen: list[float], ranks: list[int], top_ids: Optional[list[list[int]]],
+             top_vals: Optional[list[list[float]]], counts: list[Optional[int]]) -> list[Optional[TokenLogprobs]]:
+    """The rows' TokenLogprobs from their values as lists (None for a row whose count is None)."""
+    return [None if n is None else TokenLogprobs(chosen[i], ranks[i], top_ids[i][:n] if n else [],
+                                                 top_vals[i][:n] if n else [])
             for i, n in enumerate(counts)]
 
 
@@ -255,7 +267,5 @@ def logprobs_in_c(kernels, logits: torch.Tensor, tokens: torch.Tensor,
     one comparing pass a row that asks, no [B, V] tensor of logprobs."""
     chosen, rank, top_ids, top_vals = kernels.token_logprobs(
         logits, tokens.numpy(), np.array([-1 if n is None else n for n in counts], dtype=np.int64))
-    chosen_l, rank_l = np.maximum(chosen, LOGPROB_FLOOR).tolist(), rank.tolist()
-    return [None if n is None else TokenLogprobs(chosen_l[i], rank_l[i], top_ids[i, :n].tolist(),
-                                                 np.maximum(top_vals[i, :n], LOGPROB_FLOOR).tolist())
-            for i, n in enumerate(counts)]
+    return _entries(np.maximum(chosen, LOGPROB_FLOOR).tolist(), rank.tolist(), top_ids.tolist(),
+                    np.maximum(top_vals, LOGPROB_FLOOR).tolist(), counts)
