@@ -4,6 +4,8 @@ against transformers (the float32 parity tests run the C RMSNorm throughout)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import sys
 
 import numpy as np
@@ -88,6 +90,39 @@ def test_packed_gemm_matches_float64(build, dtype, m, n, k):
     assert_packed_gemm(built(build), x, w)
 
 
+@contextlib.contextmanager
+def streams(lib: cpu_kernels.CpuKernels, several: bool):
+    """lib's small steps read their weights as several streams a thread, or as one (csrc:
+    several_streams, which the CPU's vendor chooses), within the block."""
+    before = lib.lib.cpu_kernels_several_streams()
+    lib.lib.cpu_kernels_set_several_streams(int(several))
+    try:
+        yield
+    finally:
+        lib.lib.cpu_kernels_set_several_streams(before)
+
+
+@needs_kernel
+def test_several_streams_on_intel_only():
+    assert kernels.lib.cpu_kernels_several_streams() == ("GenuineIntel" in open("/proc/cpuinfo").read())
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("several", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 2, 4, 12])
+# (AVX-512) enough panels for pairs (two a thread), the last pair's second part-filled (200) or a
+# lone part-filled panel after them (129)
+@pytest.mark.parametrize("n,k", [(200, 64), (129, 33)])
+def test_packed_gemm_reads_as_one_stream_or_several(build, several, dtype, m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen).to(dtype)
+    lib = built(build)
+    with streams(lib, several):
+        assert_packed_gemm(lib, x, w)
+
+
 def assert_packed_gemm(lib: cpu_kernels.CpuKernels, x: torch.Tensor, w: torch.Tensor) -> None:
     """lib's packed GEMM of x [m, k] and w [n, k] matches float64 math on x as that size of step
     takes it: rounded to bfloat16 where the GEMM takes bfloat16 dot products (or AMX's tiles, the
@@ -170,13 +205,18 @@ QUANT_BUILDS = BUILDS[:2]
 @needs_kernel
 @pytest.mark.parametrize("build", QUANT_BUILDS)
 @pytest.mark.parametrize("kind,n,k", QUANT_SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9])  # tiles of 4 vectors, and what is left
-def test_quantized_kernel_matches_the_dequantized_weight(kind, m, n, k, build):
+# tiles of 4 vectors, and what is left; one or two vectors, rows of w one at a time (one stream a
+# thread) or in threes (several)
+@pytest.mark.parametrize("m,several", [(1, False), (1, True), (2, False), (2, True), (3, None), (4, None),
+                                       (5, None), (9, None)])
+def test_quantized_kernel_matches_the_dequantized_weight(kind, m, several, n, k, build):
     weight = quantized(kind, n, k, seed=m * 1000 + n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     x[0, :32] = 0.0  # a block of zeros (its int16 scale is 0)
     x[-1, 5] = 1e4  # an outlier: its block loses precision, no other does
-    y = built(build).quant_gemv[kind](x, cpu_kernels.pack_quantized(weight))
+    lib = built(build)
+    with streams(lib, several) if several is not None else contextlib.nullcontext():
+        y = lib.quant_gemv[kind](x, cpu_kernels.pack_quantized(weight))
     w = weight.dequantize().double()
     ref = x.double() @ w.t()
     # The kernel's only error besides float32 rounding: each block of x as int16 times its scale,

@@ -72,6 +72,27 @@ static inline float hmax(__m256 v) {
  * GEMM ~65% (scripts/bench_gemv.py). One token reads every weight once, as before, so a
  * single-token step stays bound by memory. */
 #define PANEL 16
+
+/* Whether a thread reads its share of a small step's weights as several streams at once (rows of
+ * w in threes, panels in pairs: fewer loads and broadcasts of x a weight) or as one (a row or a
+ * panel at a time, which the prefetchers of AMD's cores keep up with better). One stream: on a
+ * 2-core Zen 3 the default model's Q4_1 step of one vector ran 1.09-1.23x faster, and on a 2-core
+ * Zen 5 the bfloat16 step of 1-12 rows 1.08-1.18x (2026-12-01/02). Several: on a 2-core Sapphire
+ * Rapids Xeon (2026-12-03, scripts/ab_cpu_kernels.py --kernel gemv-step, builds alternating) the
+ * Q4_1 step of one vector 1.22x faster, of two 1.14x, the bfloat16 step of one row 1.12x, of four
+ * 1.09-1.12x. So: several on Intel's cores, one elsewhere (cpu_kernels_set_several_streams sets it,
+ * for tests). */
+static int several_streams;
+
+__attribute__((constructor)) static void streams_choose(void) {
+    __builtin_cpu_init();
+    several_streams = __builtin_cpu_is("intel");
+}
+
+int cpu_kernels_several_streams(void) { return several_streams; }
+
+void cpu_kernels_set_several_streams(int on) { several_streams = on != 0; }
+
 #define PANEL_MR 6
 /* How far ahead, in k, a tile asks for its panel's weights (a hint: past the end it never faults):
  * 6 KB of bf16. On the Zen 5 EPYC's cores (2026-12-02, this AVX2 build, scripts/ab_gemv_step.c's
@@ -256,15 +277,15 @@ static inline __m512 panel512_f32(const float *p, int s) { return (void)s, _mm51
 /* Pairs of panels across the OpenMP threads, the last one alone where their number is odd, each
  * against every row of x (on the CPUs that have AVX-512, x's rows fit the L2 cache, and blocks of
  * 96 rows measured the same); single panels where one tile takes all of x's rows (a step of at
- * most PANEL_MR512 tokens, bound by reading the weights: each thread then reads one stream, and
- * the bf16 step of 1-12 rows ran 1.08-1.18x faster so on the Zen 5 EPYC, 0.91x at 16 rows, where
- * twice the broadcasts of x cost more), or where there are fewer than two pairs a thread (many
- * cores, few rows of w: the threads then share the work more evenly). */
+ * most PANEL_MR512 tokens, bound by reading the weights) and a thread reads best as one stream
+ * (several_streams: on the Zen 5 EPYC, 0.91x at 16 rows, where twice the broadcasts of x cost
+ * more), or where there are fewer than two pairs a thread (many cores, few rows of w: the threads
+ * then share the work more evenly). */
 #define DEFINE_PACKED_GEMM512(NAME, T, XT, LOAD, BCAST, MADD, KSTEP, SUB)                         \
     DEFINE_PANEL512_TILE(NAME##_tile, T, XT, LOAD, BCAST, MADD, KSTEP, SUB)                       \
     void NAME(const XT *x, const T *w, float *y, long M, long N, long K) {                        \
         const long panels = (N + PANEL - 1) / PANEL, pairs = (panels + 1) / 2;                    \
-        const long per = M > PANEL_MR512 && pairs >= 2 * omp_get_max_threads() ? 2 : 1;           \
+        const long per = (M > PANEL_MR512 || several_streams) && pairs >= 2 * omp_get_max_threads() ? 2 : 1; \
         const long units = per == 2 ? pairs : panels;                                             \
         const long m1 = M;  /* PANEL512_ROWS's end */                                             \
         _Pragma("omp parallel for schedule(static) if (units > 1)")                               \
@@ -506,9 +527,9 @@ int cpu_kernels_amx_min_rows(void) {
         }                                                                                         \
     }
 
-/* Rows of w across the OpenMP threads (the same runtime torch uses): for one or two vectors one at a
- * time, so that each thread reads its rows as one stream; from three vectors on in threes (then the one
- * or two left), whose tiles load each x vector once for three rows. Three rows interleaved, group by
+/* Rows of w across the OpenMP threads (the same runtime torch uses): in threes (then the one or two
+ * left), whose tiles load each x vector once for three rows; for one or two vectors one at a time
+ * where a thread reads best as one stream (several_streams). Three rows interleaved, group by
  * group, read from memory at 0.5-0.6x the speed of one for rows of 640 bytes and more (K >= 1024 in
  * Q4_1) on a 2-core Zen 3: the default model's step of single-vector GEMVs ran 1.09-1.23x faster one
  * row at a time, two vectors 1.045x, three 0.99x and four 0.96x (2026-12-01, the .so builds
@@ -517,7 +538,7 @@ int cpu_kernels_amx_min_rows(void) {
     DEFINE_ROWS(NAME##_rows, XT, XAT, T, TILE, STRIDE)                                            \
     void NAME(XT x, const T *w, float *y, long M, long N, long K) {                               \
         const long S = STRIDE(K);                                                                 \
-        if (M <= 2) {                                                                             \
+        if (M <= 2 && !several_streams) {                                                         \
             _Pragma("omp parallel for schedule(static)")                                          \
             for (long n = 0; n < N; n++) NAME##_rows(x, w + n * S, y, M, N, K, n, 1);             \
             return;                                                                               \
