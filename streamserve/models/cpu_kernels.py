@@ -239,6 +239,8 @@ class CpuKernels:
         self.vector_bits: int = lib.cpu_kernels_vector_bits()
         self.bf16_dot_min_rows: int = lib.cpu_kernels_bf16_dot_min_rows()
         self.amx_min_rows: int = lib.cpu_kernels_amx_min_rows()
+        # whether small steps read their weights as several streams a thread (csrc: several_streams)
+        self.several_streams = bool(lib.cpu_kernels_several_streams())
         self.gemm: dict[torch.dtype, Callable[[torch.Tensor, PackedWeight], torch.Tensor]] = {}
         for dtype, name in ((torch.bfloat16, "gemm_packed_bf16"), (torch.float16, "gemm_packed_f16"),
                             (torch.float32, "gemm_packed_f32")):

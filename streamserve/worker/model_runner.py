@@ -51,7 +51,12 @@ C_STEP_MAX_TOKENS = 256
 # at batch 3 1.18-1.38x and at batch 4 1.14-1.22x faster than from the bfloat16 copies, and 0.75-0.9x
 # at batch 5 (`scripts/profile_step.py`, alternating runs; `ab_cpu_kernels.py --kernel gemv-step
 # --both` compares the two kernels alone).
+# On a 2-core Sapphire Rapids Xeon (2026-12-03, where the small steps read their weights as
+# several streams a thread: csrc, several_streams), the bfloat16 copies won at batch 4 instead,
+# 1.11-1.25x (`ab_cpu_kernels.py --kernel gemv-step --both --rows 4`, three runs over two hours),
+# and the blocks at batch 3, 1.16-1.18x.
 QUANT_MAX_TOKENS = 4  # where the layers keep half-size copies
+QUANT_MAX_TOKENS_SEVERAL_STREAMS = 3  # likewise, where small steps read several streams a thread
 QUANT_MAX_TOKENS_FLOAT32 = 8  # where they read float32 weights (a float32 checkpoint)
 # The most KV splits a decode sequence gets in the Triton split-KV kernel (its workspace size).
 MAX_DECODE_SPLITS = 16
@@ -160,7 +165,10 @@ class ModelRunner:
             logger.info("computing in float32, with %s weight copies read by torch for steps of at most %d tokens",
                         half, LOW_PRECISION_MAX_TOKENS)
             self.model.keep_copies(low_precision)
-        self.quant_max_tokens = QUANT_MAX_TOKENS if low_precision is not None else QUANT_MAX_TOKENS_FLOAT32
+        self.quant_max_tokens = (
+            QUANT_MAX_TOKENS_FLOAT32 if low_precision is None
+            else QUANT_MAX_TOKENS_SEVERAL_STREAMS if self.c_kernels is not None and self.c_kernels.several_streams
+            else QUANT_MAX_TOKENS)
         if self.c_kernels is not None:
             self._keep_quantized(config.model.model)
         if self.device.type == "cpu":

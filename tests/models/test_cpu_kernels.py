@@ -746,6 +746,8 @@ def test_gguf_blocks_load_where_only_the_half_copies_are_kept(half_llama_dir, tm
     runner = llm.engine_core.model_runner
     down = runner.model.layers[0].mlp.down_proj
     assert down.weight.numel() == 0 and down.quantized is not None and runner.c_step is not None
+    # steps of up to 3 tokens read the blocks where small steps read several streams a thread, 4 elsewhere
+    assert down.quant_max_rows == runner.quant_max_tokens == (3 if runner.c_kernels.several_streams else 4)
     assert_same_greedy(llm.generate([[5, 6, 7]], params, use_tqdm=False),
                        [tokens_and_logprobs(want) for want in expected])
     with pytest.raises(ValueError, match="do not hold"):
