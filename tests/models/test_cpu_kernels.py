@@ -5,7 +5,6 @@ against transformers (the float32 parity tests run the C RMSNorm throughout)."""
 from __future__ import annotations
 
 import contextlib
-
 import sys
 
 import numpy as np

@@ -78,10 +78,10 @@ static inline float hmax(__m256 v) {
  * panel at a time, which the prefetchers of AMD's cores keep up with better). One stream: on a
  * 2-core Zen 3 the default model's Q4_1 step of one vector ran 1.09-1.23x faster, and on a 2-core
  * Zen 5 the bfloat16 step of 1-12 rows 1.08-1.18x (2026-12-01/02). Several: on a 2-core Sapphire
- * Rapids Xeon (2026-12-03, scripts/ab_cpu_kernels.py --kernel gemv-step, builds alternating) the
- * Q4_1 step of one vector 1.22x faster, of two 1.14x, the bfloat16 step of one row 1.12x, of four
- * 1.09-1.12x. So: several on Intel's cores, one elsewhere (cpu_kernels_set_several_streams sets it,
- * for tests). */
+ * Rapids Xeon (2026-12-03, scripts/ab_cpu_kernels.py --kernel gemv-step, builds alternating, two
+ * runs each) the Q4_1 step of one vector 1.16-1.22x faster, of two 1.14x, the bfloat16 step of one
+ * row 1.12-1.18x, of four 1.09-1.13x. So: several on Intel's cores, one elsewhere
+ * (cpu_kernels_set_several_streams sets it, for tests). */
 static int several_streams;
 
 __attribute__((constructor)) static void streams_choose(void) {
