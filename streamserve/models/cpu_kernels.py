@@ -256,6 +256,9 @@ class CpuKernels:
             fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
             fn.restype = ctypes.c_int
             self.quant_gemv[kind] = _wrap_quant_gemv(fn, kind, lambda k, t=_QUANT_KINDS[kind]: row_bytes(t, k))
+        self._rows = lib.packed_rows
+        self._rows.argtypes = [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p]
+        self._rows.restype = ctypes.c_int
         self._norm = lib.rms_norm_f32
         self._norm.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 2 + [ctypes.c_float]
         self._norm.restype = None
@@ -277,6 +280,18 @@ class CpuKernels:
         self._logprobs.argtypes = ([ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p,
                                     ctypes.c_long] + [ctypes.c_void_p] * 4)
         self._logprobs.restype = None
+
+    def packed_rows(self, w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+        """packed_rows (an embedding lookup from a packed copy) in C: the same float32 rows."""
+        ids = ids.to(torch.int64).contiguous()
+        if ids.dim() != 1 or w.dtype not in _WEIGHT_DTYPES or not w.panels.is_contiguous():
+            raise ValueError(f"packed_rows takes ids [n] and contiguous float32, bfloat16 or float16 panels; got "
+                             f"ids {tuple(ids.shape)}, panels {w.dtype}")
+        out = torch.empty(ids.shape[0], w.in_features)
+        if self._rows(w.panels.data_ptr(), _WEIGHT_DTYPES[w.dtype], w.out_features, w.in_features,
+                      ids.data_ptr(), ids.shape[0], out.data_ptr()):
+            raise IndexError(f"a token id is outside the embedding's {w.out_features} rows")
+        return out
 
     def paged_decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:

@@ -124,14 +124,16 @@ class Linear(nn.Module):
 
 class PackedEmbedding(nn.Module):
     """A tied embedding read from its head's packed copy (Linear.packed): the same values as
-    the checkpoint's (the copy is in its dtype), so its float32 weight need not be kept."""
+    the checkpoint's (the copy is in its dtype), so its float32 weight need not be kept. `rows`:
+    the lookup (CpuKernels.packed_rows, in C), else torch's indexing (cpu_kernels.packed_rows)."""
 
-    def __init__(self, packed) -> None:
+    def __init__(self, packed, rows: Optional[Callable] = None) -> None:
         super().__init__()
         self.packed = packed
+        self.rows = rows or packed_rows
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return packed_rows(self.packed, input_ids)
+        return self.rows(self.packed, input_ids)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -186,17 +186,18 @@ class LlamaForCausalLM(nn.Module):
             layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
 
     def keep_copies(self, dtype: torch.dtype, gemm=None, packed_max_rows: int = 0, row_major: bool = True,
-                    drop_full: bool = False) -> None:
+                    drop_full: bool = False, rows=None) -> None:
         """Keep `dtype` copies of every linear weight (Linear.keep_copies): packed for the C GEMM
         `gemm` when given, for up to `packed_max_rows` rows, and row-major for torch when
         `row_major`. With `drop_full` (every step reads the copies), free the full-precision
-        weights; a tied embedding's too where the head's packed copy can serve its lookups."""
+        weights; a tied embedding's too where the head's packed copy can serve its lookups
+        (through `rows`, CpuKernels.packed_rows, when given)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.keep_copies(dtype, gemm, packed_max_rows, row_major,
                                    drop_full and module.weight is not self.embed_tokens.weight)
         if drop_full and self.arch.tie_word_embeddings and self.lm_head.packed is not None:
-            self.embed_tokens = PackedEmbedding(self.lm_head.packed)
+            self.embed_tokens = PackedEmbedding(self.lm_head.packed, rows)
             self.lm_head.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def copies(self) -> list[torch.Tensor]:

@@ -149,7 +149,7 @@ class ModelRunner:
             copy = low_precision or torch.float32
             native = native_half and not self.bf16_dot
             self.model.keep_copies(copy, self.c_kernels.gemm[copy], C_STEP_MAX_TOKENS if native else sys.maxsize,
-                                   row_major=native, drop_full=True)
+                                   row_major=native, drop_full=True, rows=self.c_kernels.packed_rows)
             self.low_precision_max_tokens = sys.maxsize
             name = str(copy).removeprefix("torch.")
             logger.info("computing in float32 from packed %s weights, read by the C GEMM (%d-bit vectors%s) for %s",

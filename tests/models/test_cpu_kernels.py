@@ -170,11 +170,29 @@ def test_packed_gemm_reads_strided_input_and_refuses_a_mismatch():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_packed_rows_are_the_weights_rows(dtype):
-    w = torch.randn(37, 9).to(dtype)
+@pytest.mark.parametrize("cols", [9, 10])
+@pytest.mark.parametrize("lookup", ["torch", "c"])
+def test_packed_rows_are_the_weights_rows(dtype, cols, lookup):
+    """Both lookups (torch's indexing; the C kernel's, which the runner gives a tied embedding):
+    exactly the weight's rows, from any panel and place, an odd K's last column included."""
+    if lookup == "c" and kernels is None:
+        pytest.skip("the C kernels do not build here")
+    rows_of = cpu_kernels.packed_rows if lookup == "torch" else kernels.packed_rows
+    w = torch.randn(37, cols).to(dtype)
     ids = torch.tensor([0, 7, 8, 15, 16, 36, 36, 23])
-    rows = cpu_kernels.packed_rows(cpu_kernels.pack_weight(w), ids)
+    rows = rows_of(cpu_kernels.pack_weight(w), ids)
     assert rows.dtype == torch.float32 and torch.equal(rows, w[ids].float())
+    # many rows: the C lookup's threads split them
+    ids = torch.randint(0, 37, (9000,), generator=torch.Generator().manual_seed(cols))
+    assert torch.equal(rows_of(cpu_kernels.pack_weight(w), ids), w[ids].float())
+
+
+@needs_kernel
+def test_packed_rows_in_c_refuse_ids_outside_the_weight():
+    packed = cpu_kernels.pack_weight(torch.randn(37, 9).bfloat16())  # its last panel pads rows 37-47
+    for bad in (37, 47, -1):
+        with pytest.raises(IndexError, match="outside the embedding's 37 rows"):
+            kernels.packed_rows(packed, torch.tensor([3, bad]))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -629,6 +647,7 @@ def test_half_precision_model_small_steps_match_transformers(half_llama_dir, mon
     assert head.gemm is lib.gemm[dtype]
     # the tied embedding's lookups read the head's packed copy: no float32 weight is left
     assert isinstance(runner.model.embed_tokens, PackedEmbedding) and head.weight.numel() == 0
+    assert runner.model.embed_tokens.rows == lib.packed_rows  # in C
     assert not any(p.dtype == torch.float32 and p.dim() == 2 and p.numel() for p in runner.model.parameters())
     check_parity(llm, path)
 

@@ -817,6 +817,36 @@ DEFINE_QGEMV(gemv_q4_k, HEADER_Q4_K, PAIR_Q4, scales_q4_k, dot_pair_q4, 1)
 enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1, WEIGHT_F16 = 2, WEIGHT_Q4_0 = 3, WEIGHT_Q4_1 = 4, WEIGHT_Q8_0 = 5,
        WEIGHT_Q4_K = 6 };
 
+/* Rows ids[0 .. n) of an [N, K] weight packed in panels (pack_weight: bfloat16 [ceil(N / 16),
+ * ceil(K / 2), 16, 2], float16 or float32 [ceil(N / 16), K, 16]) as float32 rows of K at out: a
+ * tied embedding's lookup from its head's copy. dtype: WEIGHT_F32, WEIGHT_BF16 or WEIGHT_F16.
+ * Returns 0, or -1 (nothing written) where an id lies outside [0, N). In place of torch's
+ * indexing of the panels (16 rows: 100 us; 256: 1 ms). */
+int packed_rows(const void *panels, long dtype, long N, long K, const int64_t *ids, long n, float *out) {
+    for (long i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -1;
+#pragma omp parallel for schedule(static) if (n * K > 65536)
+    for (long i = 0; i < n; i++) {
+        const long p = ids[i] / PANEL, r = ids[i] % PANEL;
+        float *o = out + i * K;
+        if (dtype == WEIGHT_BF16) {  /* a pair of columns a 32-bit word, the first in its low half */
+            const uint32_t *src = (const uint32_t *)panels + p * ((K + 1) / 2) * PANEL + r;
+            for (long k = 0; k < K; k += 2) {
+                const uint32_t pair = src[k / 2 * PANEL], first = pair << 16, second = pair & 0xFFFF0000u;
+                memcpy(o + k, &first, 4);
+                if (k + 1 < K) memcpy(o + k + 1, &second, 4);
+            }
+        } else if (dtype == WEIGHT_F16) {
+            const uint16_t *src = (const uint16_t *)panels + p * K * PANEL + r;
+            for (long k = 0; k < K; k++) o[k] = _cvtsh_ss(src[k * PANEL]);
+        } else {
+            const float *src = (const float *)panels + p * K * PANEL + r;
+            for (long k = 0; k < K; k++) o[k] = src[k * PANEL];
+        }
+    }
+    return 0;
+}
+
 /* The bytes of a regrouped row of K weights of a WEIGHT_Q* type (cpu_kernels.py checks its packing against it), or 0. */
 long cpu_kernels_quant_row_bytes(long type, long K) {
     switch (type) {
