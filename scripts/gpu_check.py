@@ -5,7 +5,9 @@
 
 Needs only torch, triton and transformers (no orjson, gguf or pytest): run from a checkout
 with PYTHONPATH=. when streamserve is not installed. Sections, each failing on its own, cheapest first; the table is rewritten under --out after
-every row (a run killed at its time limit keeps all it measured), and none starts after --budget seconds:
+every row (a run killed at its time limit keeps all it measured); none starts after --budget
+seconds, and the decode section's engines and batch sizes stop DECODE_RESERVE seconds before --limit
+(the caller's time limit):
   1. device-to-device copy bandwidth (bytes read + bytes written per second by a large copy);
   2. every kernel against its torch reference, float32 and bfloat16; the runner's pinned
      staging buffer;
@@ -15,10 +17,12 @@ every row (a run killed at its time limit keeps all it measured), and none start
   4. greedy parity with transformers on a tiny random Llama (float32), with CUDA graphs
      and with enforce_eager;
   5. decode throughput of a Llama-3.2-1B-shaped model (random weights, bfloat16) at
-     batch 1, 8, 64, 256, graphs (first: the figures the targets need) then eager; the KV
-     cache the memory profile sized; at batch 1 the fraction of the bandwidth floor
-     (weight bytes + KV bytes read per step) / step time / copy bandwidth, and the batch-1
-     graph's replay alone (the GPU's share of the step) against the same floor.
+     batch 1, 8, 64, 256, graphs (first: the figures the targets need) then eager, each mode
+     failing on its own (the tokens a timed step made, checked against the batch: every request
+     outlives the steps that read the prompts and the timed ones); the KV cache the memory
+     profile sized; at batch 1 the fraction of the bandwidth floor (weight bytes + KV bytes read
+     per step) / step time / copy bandwidth, and the batch-1 graph's replay alone (the GPU's
+     share of the step, the head not in it) against the floor of what it reads.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
                 tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
                 rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+# seconds before --limit in which the decode section builds no engine and starts no batch size
+# (the graphs engine's start-up, 35 graphs captured, or a batch of 256 with its 64 prefill steps)
+DECODE_RESERVE = 90.0
 TINY_SHAPE = dict(LLAMA_1B, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
 
@@ -262,27 +269,32 @@ def write_model_dir(work: str, shape: dict) -> str:
     return path
 
 
-def decode_steps_per_second(llm, batch: int, context: int, steps: int) -> float:
+def decode_steps(llm, batch: int, context: int, steps: int) -> tuple[float, float]:
+    """(seconds a decode step takes, tokens a step made) with `batch` requests of `context`
+    prompt tokens decoding. Each may generate up to the rest of max_model_len: reading the
+    prompts takes many steps at large batches (256 x 512 tokens at 2048 a step: 64), in which
+    the requests read first already decode, and none may finish before the timed steps end."""
     from bench_throughput import make_workload, start_decoding
 
     core, sched = llm.engine_core, llm.engine_core.scheduler
-    start_decoding(llm, make_workload(batch, core.vocab_size, batch, context, context, steps + 8, steps + 8))
+    room = llm.config.model.max_model_len - context
+    start_decoding(llm, make_workload(batch, core.vocab_size, batch, context, context, room, room))
     for _ in range(3):
         core.step()  # warm
+    made = 0
     start = time.perf_counter()
     for _ in range(steps):
-        core.step()  # the sampler's .tolist() synchronises every step
+        made += sum(len(o.new_token_ids) for o in core.step())  # .tolist() in the sampler: a sync a step
     seconds = (time.perf_counter() - start) / steps
     core.abort_requests([r.request_id for r in list(sched.running) + list(sched.waiting)])
     while core.has_unfinished_requests():
         core.step()
-    return seconds
+    return seconds, made / steps
 
 
 def throughput(report: Report, device: torch.device, work: str, copy_bw: float, smoke: bool,
                deadline: float) -> None:
-    from streamserve import LLM
-
+    """deadline: past it, no engine is built and no batch size starts."""
     shape = TINY_SHAPE if smoke else LLAMA_1B
     model_dir = write_model_dir(work, shape)
     batches = (1, 8) if smoke else (1, 8, 64, 256)
@@ -293,45 +305,12 @@ def throughput(report: Report, device: torch.device, work: str, copy_bw: float, 
         if time.perf_counter() > deadline:
             report.add("decode", f"{mode}: skipped", "out of time", ok=False)
             continue
-        start = time.perf_counter()
-        llm = LLM(model_dir, device=str(device), dtype="bfloat16", load_format="dummy", enforce_eager=eager,
-                  kernel_backend="triton", max_model_len=min(2048, shape["max_position_embeddings"]),
-                  max_num_seqs=max(batches),
-                  gpu_memory_utilization=0.45, kv_cache_memory="256MiB")
-        report.add("decode", f"start-up ({mode})", f"{time.perf_counter() - start:.2f} s")
-        runner = llm.engine_core.model_runner
-        kv_bytes_total = sum(t.numel() * t.element_size() for t in runner.kv_caches)
-        report.add("decode", f"KV cache ({mode})",
-                   f"{runner.num_blocks} blocks, {kv_bytes_total / 2 ** 30:.1f} GiB of "
-                   f"{torch.cuda.get_device_properties(device).total_memory / 2 ** 30:.0f} GiB"
-                   if device.type == "cuda" else f"{runner.num_blocks} blocks")
-        for b in batches:
-            if time.perf_counter() > deadline:
-                report.add("decode", f"batch {b} ({mode}): skipped", "out of time", ok=False)
-                continue
-            seconds = decode_steps_per_second(llm, b, context, steps)
-            step_time[eager, b] = seconds
-            report.add("decode", f"batch {b} ({mode}), context {context}",
-                       f"{b / seconds:.0f} tok/s ({seconds * 1e3:.2f} ms/step)")
-        if not eager and (False, 1) in step_time:
-            model = runner.model
-            weight_bytes = sum(m.weight.numel() * m.weight.element_size() for name, m in model.named_modules()
-                               if hasattr(m, "weight") and m.weight is not None and name != "embed_tokens")
-            arch = model.arch
-            kv_bytes = 2 * arch.num_layers * (context + steps // 2) * arch.num_kv_heads * arch.head_dim * 2
-            floor = (weight_bytes + kv_bytes) / copy_bw
-            fraction = floor / step_time[False, 1]
-            report.add("decode", "batch 1 (graphs): bandwidth floor reached",
-                       f"{fraction:.0%} ({(weight_bytes + kv_bytes) / 2 ** 30:.2f} GiB read per step, "
-                       f"floor {floor * 1e3:.2f} ms)", ">= 60%", fraction >= 0.6)
-            if runner.graphs is not None and 1 in runner.graphs.graphs:
-                # The GPU's share of the step: the batch-1 forward's graph alone (no logits, no
-                # sampling, no Python); the rest of the step is the engine's CPU time and the sampler.
-                replay = timed(runner.graphs.graphs[1].replay, device, iters=50)
-                report.add("decode", "batch 1: graph replay alone (forward only)",
-                           f"{replay * 1e3:.3f} ms of the {step_time[False, 1] * 1e3:.3f} ms step: "
-                           f"{floor / replay:.0%} of the bandwidth floor")
-        del llm, runner
+        try:  # a failure of one mode (graphs have never been captured here) keeps the other's figures
+            decode_mode(report, device, model_dir, shape, eager, batches, context, steps, copy_bw, deadline,
+                        step_time)
+        except Exception as exc:
+            traceback.print_exc()
+            report.add("decode", f"{mode}: failed", f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
         free_memory()
     if (True, 1) in step_time and (False, 1) in step_time:
         speedup = step_time[True, 1] / step_time[False, 1]
@@ -339,6 +318,57 @@ def throughput(report: Report, device: torch.device, work: str, copy_bw: float, 
     for b in batches[1:]:
         if (True, b) in step_time and (False, b) in step_time:
             report.add("decode", f"batch {b}: graphs vs eager", f"{step_time[True, b] / step_time[False, b]:.2f}x")
+
+
+def decode_mode(report: Report, device: torch.device, model_dir: str, shape: dict, eager: bool,
+                batches: tuple[int, ...], context: int, steps: int, copy_bw: float, deadline: float,
+                step_time: dict[tuple[bool, int], float]) -> None:
+    """One engine (CUDA graphs, or enforce_eager) at each batch size, into step_time[eager, batch]."""
+    from streamserve import LLM
+
+    mode = "eager" if eager else "graphs"
+    start = time.perf_counter()
+    llm = LLM(model_dir, device=str(device), dtype="bfloat16", load_format="dummy", enforce_eager=eager,
+              kernel_backend="triton", max_model_len=min(2048, shape["max_position_embeddings"]),
+              max_num_seqs=max(batches),
+              gpu_memory_utilization=0.45, kv_cache_memory="256MiB")
+    report.add("decode", f"start-up ({mode})", f"{time.perf_counter() - start:.2f} s")
+    runner = llm.engine_core.model_runner
+    kv_bytes_total = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    report.add("decode", f"KV cache ({mode})",
+               f"{runner.num_blocks} blocks, {kv_bytes_total / 2 ** 30:.1f} GiB of "
+               f"{torch.cuda.get_device_properties(device).total_memory / 2 ** 30:.0f} GiB"
+               if device.type == "cuda" else f"{runner.num_blocks} blocks")
+    for b in batches:
+        if time.perf_counter() > deadline:
+            report.add("decode", f"batch {b} ({mode}): skipped", "out of time", ok=False)
+            continue
+        seconds, made = decode_steps(llm, b, context, steps)
+        step_time[eager, b] = seconds
+        report.add("decode", f"batch {b} ({mode}), context {context}",
+                   f"{made / seconds:.0f} tok/s ({seconds * 1e3:.2f} ms/step, {made:.1f} tokens a step)",
+                   f"{b} tokens a step", abs(made - b) < 0.5)
+    if not eager and (False, 1) in step_time:
+        model = runner.model
+        weight_bytes = sum(m.weight.numel() * m.weight.element_size() for name, m in model.named_modules()
+                           if hasattr(m, "weight") and m.weight is not None and name != "embed_tokens")
+        head_bytes = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+        arch = model.arch
+        kv_bytes = 2 * arch.num_layers * (context + steps // 2) * arch.num_kv_heads * arch.head_dim * 2
+        floor = (weight_bytes + kv_bytes) / copy_bw
+        fraction = floor / step_time[False, 1]
+        report.add("decode", "batch 1 (graphs): bandwidth floor reached",
+                   f"{fraction:.0%} ({(weight_bytes + kv_bytes) / 2 ** 30:.2f} GiB read per step, "
+                   f"floor {floor * 1e3:.2f} ms)", ">= 60%", fraction >= 0.6)
+        if runner.graphs is not None and 1 in runner.graphs.graphs:
+            # The GPU's share of the step: the batch-1 forward's graph alone (no logits, no
+            # sampling, no Python), against the floor of what it reads (all but the head);
+            # the rest of the step is the head, the engine's CPU time and the sampler.
+            replay = timed(runner.graphs.graphs[1].replay, device, iters=50)
+            forward_floor = (weight_bytes - head_bytes + kv_bytes) / copy_bw
+            report.add("decode", "batch 1: graph replay alone (forward only, no head)",
+                       f"{replay * 1e3:.3f} ms of the {step_time[False, 1] * 1e3:.3f} ms step: "
+                       f"{forward_floor / replay:.0%} of its bandwidth floor ({forward_floor * 1e3:.2f} ms)")
 
 
 # -- 3. the decode attention kernel alone ---------------------------------------------------
@@ -378,9 +408,12 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder for gpu-check.md/.json")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (to check the script on the CPU)")
-    parser.add_argument("--budget", type=float, default=420.0,
-                        help="seconds: no section starts after this, and the decode section drops batch "
-                             "sizes that would not fit (default 420)")
+    parser.add_argument("--budget", type=float, default=300.0,
+                        help="seconds: no section starts after this (default 300)")
+    parser.add_argument("--limit", type=float, default=450.0,
+                        help="seconds the whole run may take (the caller's time limit): the decode section "
+                             f"builds no engine and starts no batch size in the last {DECODE_RESERVE:.0f} "
+                             "(default 450)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -414,7 +447,8 @@ def main() -> None:
                 ("kernels", lambda: kernel_checks(report, device, args.smoke)),
                 ("attention", lambda: attention_bandwidth(report, device, copy_bw, args.smoke)),
                 ("parity", lambda: parity(report, device, work, args.smoke)),
-                ("decode", lambda: throughput(report, device, work, copy_bw, args.smoke, started + args.budget))]
+                ("decode", lambda: throughput(report, device, work, copy_bw, args.smoke,
+                                              started + args.limit - DECODE_RESERVE))]
     for section, run in sections:
         t = time.perf_counter()
         if t - started > args.budget:
@@ -428,7 +462,10 @@ def main() -> None:
             traceback.print_exc()
             report.add(section, "section failed", f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
         print(f"-- {section}: {time.perf_counter() - t:.1f} s", flush=True)
-        free_memory()
+        try:  # after a sticky CUDA error this raises too: the rows so far are written all the same
+            free_memory()
+        except Exception as exc:
+            report.add(section, "freeing its memory failed", f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
         write(f"running, after {section}")
     text = write("total")
     shutil.rmtree(work, ignore_errors=True)
