@@ -1,0 +1,26 @@
+"""scripts/gpu_check.py's decode rows, on the CPU: what they time is a step of the whole batch."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from tiny_models import build_model
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
+
+
+def test_decode_rows_time_every_request_of_the_batch(tmp_path, monkeypatch):
+    """Reading the prompts takes several steps (as 256 prompts of 512 tokens do at CUDA's 2048
+    tokens a step), in which the requests read first already decode: every request must still
+    be decoding through the timed steps, so that a step makes one token for each."""
+    from streamserve import LLM
+
+    monkeypatch.syspath_prepend(SCRIPTS)  # sys.path as it was after the test (gpu_check adds to it)
+    gpu_check = importlib.import_module("gpu_check")
+    llm = LLM(build_model(str(tmp_path / "llama"), "llama", seed=0), max_num_batched_tokens=24,
+              max_model_len=256, kv_cache_memory="16MiB")
+    batch, steps = 6, 8
+    seconds, made = gpu_check.decode_steps(llm, batch, context=40, steps=steps)
+    assert seconds > 0 and made == batch
+    assert not llm.engine_core.has_unfinished_requests()  # aborted after the timed steps
