@@ -16,7 +16,7 @@ def test_decode_rows_time_every_request_of_the_batch(tmp_path, monkeypatch):
     be decoding through the timed steps, so that a step makes one token for each."""
     from streamserve import LLM
 
-    monkeypatch.syspath_prepend(SCRIPTS)  # sys.path as it was after the test (gpu_check adds to it)
+    monkeypatch.syspath_prepend(SCRIPTS)  # sys.path is restored after the test (gpu_check adds to it too)
     gpu_check = importlib.import_module("gpu_check")
     llm = LLM(build_model(str(tmp_path / "llama"), "llama", seed=0), max_num_batched_tokens=24,
               max_model_len=256, kv_cache_memory="16MiB")

@@ -25,20 +25,21 @@ needs_kernel = pytest.mark.skipif(kernels is None, reason="the CPU kernels do no
                                   "(needs x86-64 with AVX2 and a C compiler)")
 
 
-def cpu_flags() -> set[str]:
+def cpuinfo(field: str) -> list[str]:
+    """The values /proc/cpuinfo gives `field`, a line (a processor) each; none without the file."""
     try:
         with open("/proc/cpuinfo") as f:
-            return {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+            return [line.split(":", 1)[1].strip() for line in f if line.startswith(field)]
     except OSError:
-        return set()
+        return []
+
+
+def cpu_flags() -> set[str]:
+    return {flag for value in cpuinfo("flags") for flag in value.split()}
 
 
 def cpu_vendor() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
-    except OSError:
-        return ""
+    return next(iter(cpuinfo("vendor_id")), "")
 
 
 def has_avx512() -> bool:
