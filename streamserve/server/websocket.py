@@ -45,9 +45,12 @@ class _Socket:
         self.authenticated = api_key_ok(request)
 
     async def send(self, frame: dict[str, Any]) -> None:
+        """Send one frame; one for a client that has already gone is dropped (the read loop
+        ends on the lost connection and cancels the client's requests)."""
         async with self.lock:
             if not self.ws.closed:
-                await self.ws.send_str(orjson.dumps(frame).decode())
+                with contextlib.suppress(ConnectionResetError):  # the transport closed under us
+                    await self.ws.send_str(orjson.dumps(frame).decode())
 
     async def error(self, request_id: Optional[str], exc: APIError) -> None:
         await self.send({"type": "error", "id": request_id, **exc.body()})

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
+import os
 import shutil
+import socket
+import struct
 
 import aiohttp
 
@@ -246,4 +250,37 @@ def test_leaving_a_batch_aborts_every_prompt_in_it(llama_dir, caplog):
     for free, total, busy in (left_streamed, left):
         assert free == total and not busy
     assert (num_streamed, num_aborted) == (6, 12)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_websocket_client_that_resets_with_frames_unanswered_logs_no_error(llama_dir, caplog):
+    """A client that sends many frames needing an answer and then resets its connection: the
+    server reads the frames still buffered, and the answers it can no longer send are dropped,
+    not logged as errors of the server's own (they were, with a traceback each)."""
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write((f"GET /v1/ws HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 101")
+        payload = b'{"type": "nope"}'
+        mask = os.urandom(4)
+        frame = bytes([0x81, 0x80 | len(payload)]) + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        writer.write(frame * 2000)
+        await writer.drain()
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        writer.transport.abort()
+        await asyncio.sleep(0.5)
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
+                status = r.status
+        await runner.cleanup()
+        return status
+
+    with caplog.at_level(logging.ERROR):
+        status = asyncio.run(main())
+    assert status == 200
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
