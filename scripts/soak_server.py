@@ -1,0 +1,254 @@
+"""Soak a running streamserve with a mix of good, bad and abandoned requests at once.
+
+Workers loop for --seconds, each picking one of: streamed chats and completions (some cut
+off after a few chunks), n > 1 with logprobs and echo, requests whose client times out,
+JSON-schema, choice and tool-call outputs, prompt_logprobs, long prompts sharing a prefix,
+websockets closed mid-stream or sent bad frames, tokenize/detokenize, and bad bodies that
+must get a 400. Afterwards the engine must go idle with no KV block held (/metrics) and
+still serve. With --pid, the server's resident memory before and after (run twice: memory
+that keeps growing round after round is a leak). Exits 1 on any problem.
+
+    python -m streamserve --port 8091 --num-gpu-blocks-override 96 --max-model-len 1024 &
+    python scripts/soak_server.py --url http://127.0.0.1:8091 --seconds 150 --workers 24 --pid $!
+
+A small KV cache (--num-gpu-blocks-override) makes requests preempt each other too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import random
+import re
+import time
+from typing import Optional
+
+import aiohttp
+
+WORDS = "the cat sat on a mat while rain fell over quiet hills and rivers ran toward the sea".split()
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+class Soak:
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+        self.counts: collections.Counter = collections.Counter()
+        self.problems: list[tuple] = []
+
+    def text(self, n: int) -> str:
+        return " ".join(random.choice(WORDS) for _ in range(n))
+
+    def chat(self, **kw) -> dict:
+        return {"model": self.model, "messages": [{"role": "user", "content": self.text(random.randint(3, 40))}],
+                "max_tokens": random.randint(1, 48), "temperature": random.choice([0, 0.7, 1.0]), **kw}
+
+    def completion(self, **kw) -> dict:
+        return {"model": self.model, "prompt": self.text(random.randint(1, 60)), "max_tokens": random.randint(1, 48),
+                "temperature": random.choice([0, 0.8]), **kw}
+
+    def bad_bodies(self) -> list[tuple[str, dict]]:
+        c, m = "/v1/completions", "/v1/chat/completions"
+        return [(c, self.completion(max_tokens=-1)), (c, self.completion(temperature=-3)),
+                (c, self.completion(n=0)), (c, self.completion(top_p=7)), (c, self.completion(prompt="")),
+                (c, self.completion(logprobs=99)), (c, self.completion(prompt=[[10 ** 9]])),
+                (c, self.completion(prompt=self.text(5000), max_tokens=5)), (c, self.completion(stop=[1, 2])),
+                (c, self.completion(logit_bias={"abc": 1})), (c, self.completion(max_tokens=10 ** 9)),
+                (c, self.completion(model="no-such-model")), (m, self.chat(messages=[]))]
+
+    def expect(self, what: str, status, want, detail="") -> None:
+        self.counts[what] += 1
+        if status != want:
+            self.problems.append((what, status, str(detail)[:300]))
+
+    async def post(self, s, path: str, body: dict, timeout: Optional[float] = None) -> tuple[int, str]:
+        kw = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
+        async with s.post(self.url + path, json=body, **kw) as r:
+            return r.status, await r.text()
+
+    async def stream(self, s, path: str, body: dict, cut: Optional[int] = None) -> int:
+        """Reads an SSE stream to [DONE] (or leaves after `cut` chunks); its HTTP status."""
+        async with s.post(self.url + path, json=body) as r:
+            if r.status != 200:
+                self.problems.append(("stream refused", r.status, (await r.text())[:300]))
+                return r.status
+            chunks, done, finish = 0, False, None
+            async for line in r.content:
+                line = line.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    done = True
+                    break
+                frame = json.loads(data)
+                if "error" in frame:
+                    self.problems.append(("in-band error", path, frame))
+                    return r.status
+                for choice in frame.get("choices", []):
+                    finish = choice.get("finish_reason") or finish
+                chunks += 1
+                if cut is not None and chunks >= cut:
+                    return r.status
+            if not done or finish is None:
+                self.problems.append(("stream without [DONE] or a finish reason", path, done, finish))
+            return r.status
+
+    async def one(self, s) -> None:
+        kind = random.randrange(16)
+        if kind == 0:
+            self.expect("chat stream", await self.stream(s, "/v1/chat/completions", self.chat(stream=True)), 200)
+        elif kind == 1:
+            await self.stream(s, "/v1/completions", self.completion(stream=True, max_tokens=48), cut=random.randint(1, 5))
+            self.counts["stream left early"] += 1
+        elif kind == 2:
+            status, t = await self.post(s, "/v1/completions",
+                                        self.completion(n=3, logprobs=2, echo=random.random() < 0.5))
+            self.expect("n=3 with logprobs", status, 200, t)
+            if status == 200 and len(json.loads(t)["choices"]) != 3:
+                self.problems.append(("n=3 gave", t[:300]))
+        elif kind == 3:
+            try:
+                await self.post(s, "/v1/chat/completions", self.chat(max_tokens=64), timeout=random.uniform(0.05, 0.5))
+                self.counts["ended before its client's timeout"] += 1
+            except asyncio.TimeoutError:
+                self.counts["client timed out"] += 1
+        elif kind == 4:
+            status, t = await self.post(s, "/v1/chat/completions", self.chat(max_tokens=80, response_format={
+                "type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}}))
+            self.expect("json schema", status, 200, t)
+            choice = json.loads(t)["choices"][0] if status == 200 else {}
+            if choice.get("finish_reason") == "stop":
+                json.loads(choice["message"]["content"])
+        elif kind == 5:
+            options = ["yes", "no", "maybe"]
+            status, t = await self.post(s, "/v1/completions", self.completion(structured_outputs={"choice": options}))
+            self.expect("choice", status, 200, t)
+            choice = json.loads(t)["choices"][0] if status == 200 else {}
+            if choice.get("finish_reason") == "stop" and choice["text"] not in options:
+                self.problems.append(("choice gave", choice["text"]))
+        elif kind == 6:
+            path, body = random.choice(self.bad_bodies())
+            status, t = await self.post(s, path, body)
+            self.expect("bad body", status, 404 if body["model"] == "no-such-model" else 400, (body, t))
+        elif kind == 7:
+            async with s.post(self.url + "/v1/completions", data=b"{not json") as r:
+                self.expect("bad JSON", r.status, 400, await r.text())
+        elif kind == 8:
+            async with s.ws_connect(self.url + "/v1/ws") as ws:
+                for i in range(3):
+                    await ws.send_str(json.dumps({"type": "request", "id": str(i), "endpoint": "chat.completions",
+                                                  "body": self.chat(max_tokens=40)}))
+                leave_after = random.randint(1, 6)
+                async for _ in ws:
+                    leave_after -= 1
+                    if leave_after == 0:
+                        break
+                if random.random() < 0.5:
+                    await ws.send_str(json.dumps({"type": "cancel", "id": "1"}))
+            self.counts["websocket closed mid-stream"] += 1
+        elif kind == 9:
+            async with s.ws_connect(self.url + "/v1/ws") as ws:
+                await ws.send_str(json.dumps({"type": "request", "id": "a", "endpoint": "completions",
+                                              "body": self.completion(max_tokens=8)}))
+                await ws.send_str("garbage")
+                await ws.send_str(json.dumps({"type": "request", "id": "b", "endpoint": "nope", "body": {}}))
+                kinds = []
+                async for msg in ws:
+                    frame = json.loads(msg.data)
+                    kinds.append(frame["type"])
+                    if frame["type"] == "done":
+                        break
+            self.expect("websocket with bad frames", kinds[-1:] + [kinds.count("error")], ["done", 2], kinds)
+        elif kind == 10:
+            status, t = await self.post(s, "/tokenize", {"model": self.model, "prompt": self.text(10)})
+            self.expect("tokenize", status, 200, t)
+            status, t = await self.post(s, "/detokenize", {"model": self.model, "tokens": json.loads(t)["tokens"]})
+            self.expect("detokenize", status, 200, t)
+        elif kind == 11:
+            status, t = await self.post(s, "/v1/completions", self.completion(prompt_logprobs=1, max_tokens=4))
+            self.expect("prompt_logprobs", status, 200, t)
+        elif kind == 12:
+            status, t = await self.post(s, "/v1/chat/completions",
+                                        self.chat(max_tokens=60, tools=TOOLS, tool_choice="required"))
+            self.expect("tool_choice required", status, 200, t)
+        elif kind == 13:
+            status = await self.stream(s, "/v1/chat/completions", self.chat(
+                stream=True, n=2, logprobs=True, top_logprobs=3, stream_options={"include_usage": True}))
+            self.expect("chat stream n=2", status, 200)
+        elif kind == 14:  # long prompts sharing a prefix: prefix-cache hits, and preemption under a small cache
+            status, t = await self.post(s, "/v1/completions", {"model": self.model, "prompt": "shared " * 300 +
+                                                               self.text(5), "max_tokens": 16, "temperature": 0})
+            self.expect("long prompt, shared prefix", status, 200, t)
+        else:
+            status = await self.stream(s, "/v1/completions", self.completion(
+                stream=True, ignore_eos=True, max_tokens=64, min_tokens=10, stop=["."]))
+            self.expect("completion stream", status, 200)
+
+    async def worker(self, s, end: float) -> None:
+        while time.time() < end:
+            try:
+                await self.one(s)
+            except (aiohttp.ClientError, ValueError, KeyError) as exc:
+                self.problems.append(("client saw", repr(exc)))
+
+    async def metric(self, s, name: str) -> Optional[float]:
+        async with s.get(self.url + "/metrics") as r:
+            text = await r.text()
+        found = re.search(r"^streamserve:%s\{[^}]*\} ([0-9.e+-]+)$" % name, text, re.M)
+        return float(found.group(1)) if found else None
+
+    async def idle(self, s, seconds: float = 60) -> dict:
+        """The engine's gauges once idle (or after `seconds`)."""
+        names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        for _ in range(int(seconds)):
+            gauges = {n: await self.metric(s, n) for n in names}
+            if all(v == 0 for v in gauges.values()):
+                break
+            await asyncio.sleep(1)
+        gauges["num_preemptions_total"] = await self.metric(s, "num_preemptions_total")
+        return gauges
+
+
+def rss_mib(pid: Optional[int]) -> Optional[float]:
+    if pid is None:
+        return None
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+async def main(args) -> int:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(args.url + "/v1/models") as r:
+            soak = Soak(args.url, (await r.json())["data"][0]["id"])
+        before = rss_mib(args.pid)
+        end = time.time() + args.seconds
+        await asyncio.gather(*(soak.worker(s, end) for _ in range(args.workers)))
+        gauges = await soak.idle(s)
+        status, _ = await soak.post(s, "/v1/completions", soak.completion(max_tokens=5))
+    print(f"{sum(soak.counts.values())} requests in {args.seconds:.0f} s:",
+          ", ".join(f"{k} {v}" for k, v in sorted(soak.counts.items())))
+    print("afterwards:", ", ".join(f"{k} {v:g}" for k, v in gauges.items()), f"| a new request: HTTP {status}")
+    if args.pid is not None:
+        print(f"server resident memory: {before:.0f} -> {rss_mib(args.pid):.0f} MiB")
+    for problem in soak.problems[:40]:
+        print("problem:", *problem)
+    idle = all(gauges[n] == 0 for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
+    print(f"{len(soak.problems)} problems; engine {'idle' if idle else 'NOT idle'}")
+    return 0 if idle and status == 200 and not soak.problems else 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--seconds", type=float, default=120)
+    parser.add_argument("--workers", type=int, default=24)
+    parser.add_argument("--pid", type=int, help="the server's process ID, to report its resident memory")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    random.seed(args.seed)
+    raise SystemExit(asyncio.run(main(args)))
