@@ -244,6 +244,9 @@ class ServerConfig:
         "help": "comma-separated origins (scheme://host[:port]) whose web pages may open the "
                 "/v1/ws websocket besides the server's own, or '*' for any (default: its own only; "
                 "clients that send no Origin, i.e. not browsers, are always let in)"})
+    max_stored_responses: int = field(default=1024, metadata={
+        "help": "responses (POST /v1/responses with store true, the default) kept in memory for "
+                "previous_response_id and GET /v1/responses/{id}, the oldest dropped first; 0 keeps none"})
     tool_call_parser: Optional[str] = field(default=None, metadata={
         "help": "read tool calls out of the model's replies in this format, which lets chats take "
                 "tool_choice 'auto' (the default with tools): 'hermes' (<tool_call>{\"name\": ..., "
@@ -256,6 +259,8 @@ class ServerConfig:
             raise ValueError(f"port ({self.port}) must be in [0, 65535]")
         if self.max_n < 1:
             raise ValueError(f"max_n ({self.max_n}) must be >= 1")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses ({self.max_stored_responses}) must be >= 0")
         if self.max_choices < 1:
             raise ValueError(f"max_choices ({self.max_choices}) must be >= 1")
         if self.max_request_bytes < 1024:

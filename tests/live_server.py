@@ -1,9 +1,14 @@
-"""A streamserve server inside the test process, on a free port."""
+"""A streamserve server inside the test process, on a free port (start), or in a process of
+its own (start_server)."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from typing import Callable
 
 from aiohttp import web
@@ -41,6 +46,20 @@ def slow_steps(engine: AsyncEngine, seconds: float) -> None:
     core.step = lambda: time.sleep(seconds) or step()
 
 
+def fail_step(engine: AsyncEngine, at: int) -> None:
+    """Make the engine's `at`-th step from now on raise (an injected failure)."""
+    core = engine.engine_core
+    step, calls = core.step, []
+
+    def flaky_step():
+        calls.append(1)
+        if len(calls) == at:
+            raise RuntimeError("injected failure")
+        return step()
+
+    core.step = flaky_step
+
+
 def held_config(model_dir: str, release: threading.Event, seconds: float) -> Callable[[], Config]:
     """An AsyncEngine config builder that first waits (up to `seconds`) for `release`: a model
     still being resolved or loaded."""
@@ -48,3 +67,29 @@ def held_config(model_dir: str, release: threading.Event, seconds: float) -> Cal
         release.wait(seconds)
         return Config.from_kwargs(model=model_dir, dtype="float32", kv_cache_memory="16MiB")
     return build
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: str, *extra: str):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "streamserve", "--model", model_dir, "--dtype", "float32",
+                             "--kv-cache-memory", "16MiB", "--port", str(port), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read())
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become healthy")

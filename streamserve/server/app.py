@@ -1,7 +1,8 @@
 """The aiohttp app: OpenAI-compatible completions and chat completions, streamed over SSE.
 
 Routes: GET /health, GET /version, GET /metrics, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions, POST /tokenize, POST /detokenize, and GET / with GET /static/*:
+POST /v1/chat/completions, POST /v1/responses with GET and DELETE /v1/responses/{id}
+(responses.py), POST /tokenize, POST /detokenize, and GET / with GET /static/*:
 the chat page (streamserve/static/), which talks to GET /v1/ws (websocket.py). One
 middleware turns every exception into OpenAI's error body with the right status; no stack
 trace reaches a client.
@@ -99,7 +100,9 @@ def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
-    from streamserve.server.websocket import websocket  # it imports this module's helpers
+    from streamserve.server.responses import add_routes  # these import this module's helpers
+    from streamserve.server.websocket import websocket
+    add_routes(app)
     app.router.add_get("/v1/ws", websocket)
 
     async def on_startup(app: web.Application) -> None:

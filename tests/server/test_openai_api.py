@@ -3,43 +3,15 @@
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 
 import openai
 import pytest
 
+from live_server import start_server
 from parity import prompt_token_logprobs
 from streamserve import LLM, SamplingParams
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: str, *extra: str):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "streamserve", "--model", model_dir, "--dtype", "float32",
-                             "--kv-cache-memory", "16MiB", "--port", str(port), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read())
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not become healthy")
 
 
 @pytest.fixture(scope="module")

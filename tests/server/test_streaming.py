@@ -9,7 +9,7 @@ import json
 import aiohttp
 from aiohttp import web
 
-from live_server import held_config, record_aborts, slow_steps, start
+from live_server import fail_step, held_config, record_aborts, slow_steps, start
 from streamserve.frontend.async_engine import AsyncEngine
 from streamserve.server.app import app_runner
 
@@ -293,15 +293,7 @@ def test_an_engine_failure_mid_stream_is_sent_in_band_and_the_engine_survives(ll
     async def main():
         runner, engine, url = await start(llama_dir)
         core = engine.engine_core
-        real_step, calls = core.step, []
-
-        def flaky_step():
-            calls.append(1)
-            if len(calls) == 4:
-                raise RuntimeError("injected failure")
-            return real_step()
-
-        core.step = flaky_step
+        fail_step(engine, 4)
         async with aiohttp.ClientSession() as session:
             body = {"prompt": "hello", "max_tokens": 30, "temperature": 0, "ignore_eos": True, "stream": True}
             async with session.post(url + "/v1/completions", json=body) as r:

@@ -1,0 +1,251 @@
+"""POST /v1/responses (OpenAI's Responses API) against the official openai client: each
+response is the chat completion of the same conversation, reshaped; stored ones are read
+back and gone on from."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import aiohttp
+import openai
+import pytest
+
+from live_server import fail_step, start, start_server
+from streamserve.server.responses import ResponseStore
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Rome", "Paris"]}}, "required": ["city"],
+        "additionalProperties": False}
+WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city", "parameters": CITY}
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs):
+    proc, url = start_server(model_dirs["llama"], "--served-model-name", "tiny", "--max-stored-responses", "4")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def no_spaces(model_dirs) -> dict[str, int]:
+    """A bias that keeps a random model's JSON short: no whitespace tokens."""
+    from transformers import AutoTokenizer
+
+    from streamserve.engine import structured_output as so
+
+    texts = so.token_texts(AutoTokenizer.from_pretrained(model_dirs["llama"]), 400)
+    return {str(t): -100 for t, text in enumerate(texts) if text and text.isspace()}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, messages: list[dict], **kwargs):
+    return client.chat.completions.create(model="tiny", messages=messages, temperature=0, **kwargs)
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_response_is_the_chat_completion_of_its_input(client):
+    """instructions are the system message, input the user's; max_output_tokens cuts it as
+    max_tokens would (status incomplete, the reason given)."""
+    reply = client.responses.create(model="tiny", instructions="Be brief.", input="hello world", temperature=0,
+                                    max_output_tokens=12)
+    expected = chat(client, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello world"}],
+                    max_tokens=12)
+    assert reply.object == "response" and reply.id.startswith("resp_") and reply.model == "tiny"
+    assert reply.output_text == expected.choices[0].message.content
+    assert [item.type for item in reply.output] == ["message"] and reply.output[0].role == "assistant"
+    assert reply.usage.input_tokens == expected.usage.prompt_tokens
+    assert reply.usage.output_tokens == expected.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == expected.usage.total_tokens
+    assert reply.status == "incomplete" and reply.incomplete_details.reason == "max_output_tokens"
+    assert reply.output[0].status == "incomplete" and reply.instructions == "Be brief."
+    again = client.responses.create(model="tiny", instructions="Be brief.", input="hello world", temperature=0,
+                                    max_output_tokens=12)
+    assert again.usage.input_tokens_details.cached_tokens > 0  # its prompt's blocks came from the prefix cache
+
+
+def test_the_stream_sends_openais_events_in_order(client):
+    kwargs = dict(model="tiny", input=[{"role": "user", "content": [{"type": "input_text", "text": "hi "},
+                                                                    {"type": "input_text", "text": "there"}]}],
+                  temperature=0, max_output_tokens=8)
+    whole = client.responses.create(**kwargs)
+    events = list(client.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    deltas = kinds.count("response.output_text.delta")
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added"] + ["response.output_text.delta"] * deltas + [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.incomplete"]
+    assert deltas >= 1 and [e.sequence_number for e in events] == list(range(len(events)))
+    item_id = events[2].item.id
+    assert all(e.item_id == item_id for e in events if e.type.startswith("response.output_text"))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-4].text == whole.output_text
+    final = events[-1].response
+    assert final.status == "incomplete" and final.output_text == text and final.usage.output_tokens == 8
+    assert events[0].response.status == "in_progress" and events[0].response.id == final.id
+    # the SDK's own accumulator, on a response that stops (vLLM's stop field, passed on)
+    with client.responses.stream(**kwargs, extra_body={"stop": [text[-1]]}) as stream:
+        list(stream)
+        completed = stream.get_final_response()
+    assert completed.status == "completed" and text.startswith(completed.output_text)
+
+
+def test_previous_response_id_goes_on_from_the_stored_conversation(client, server):
+    first = client.responses.create(model="tiny", instructions="Be brief.", input="hello", temperature=0,
+                                    max_output_tokens=6)
+    second = client.responses.create(model="tiny", previous_response_id=first.id, input="and then?",
+                                     temperature=0, max_output_tokens=6)
+    # the earlier input and output, not its instructions (as OpenAI has it)
+    expected = chat(client, [{"role": "user", "content": "hello"},
+                             {"role": "assistant", "content": first.output_text},
+                             {"role": "user", "content": "and then?"}], max_tokens=6)
+    assert second.output_text == expected.choices[0].message.content
+    assert second.usage.input_tokens == expected.usage.prompt_tokens and second.previous_response_id == first.id
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    status, error = post(server + "/v1/responses", {"input": "x", "previous_response_id": first.id})
+    assert status == 404 and error["error"]["param"] == "previous_response_id"
+    unstored = client.responses.create(model="tiny", input="hi", store=False, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    # the server keeps its last 4 (--max-stored-responses)
+    ids = [client.responses.create(model="tiny", input="hi", max_output_tokens=1).id for _ in range(5)]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(ids[0])
+    assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+
+
+def test_a_named_function_is_called_and_its_output_read(client, no_spaces):
+    """tool_choice naming a function: one function_call item (as the chat's tool call);
+    streamed, its arguments in pieces; its output goes back as a function_call_output item."""
+    reply = client.responses.create(model="tiny", input="Weather in Rome?", tools=[WEATHER], temperature=0,
+                                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=40,
+                                    extra_body={"logit_bias": no_spaces})
+    expected = chat(client, [{"role": "user", "content": "Weather in Rome?"}], max_tokens=40, logit_bias=no_spaces,
+                    tools=[{"type": "function", "function": {k: WEATHER[k] for k in ("name", "description",
+                                                                                     "parameters")}}],
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    [call] = reply.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    assert call.arguments == expected.choices[0].message.tool_calls[0].function.arguments
+    assert json.loads(call.arguments)["city"] in ("Rome", "Paris") and reply.status == "completed"
+    events = list(client.responses.create(model="tiny", input="Weather in Rome?", tools=[WEATHER], temperature=0,
+                                          tool_choice={"type": "function", "name": "get_weather"},
+                                          max_output_tokens=40, stream=True, extra_body={"logit_bias": no_spaces}))
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert "".join(pieces) == done[0].arguments == call.arguments and len(done) == 1
+    result = client.responses.create(model="tiny", previous_response_id=reply.id, tools=[WEATHER],
+                                     tool_choice="none", temperature=0, max_output_tokens=5,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "sunny"}])
+    assert [item.type for item in result.output] == ["message"] and result.output_text
+
+
+def test_text_format_holds_the_output_to_a_schema(client, no_spaces):
+    reply = client.responses.create(model="tiny", input="Which city?", temperature=0, max_output_tokens=40,
+                                    extra_body={"logit_bias": no_spaces},
+                                    text={"format": {"type": "json_schema", "name": "city", "schema": CITY}})
+    assert json.loads(reply.output_text)["city"] in ("Rome", "Paris")
+    assert reply.text.format.type == "json_schema"
+
+
+def test_logprobs_come_when_included(client):
+    reply = client.responses.create(model="tiny", input="hello", temperature=0, max_output_tokens=4,
+                                    include=["message.output_text.logprobs"], top_logprobs=2)
+    expected = chat(client, [{"role": "user", "content": "hello"}], max_tokens=4, logprobs=True, top_logprobs=2)
+    got = reply.output[0].content[0].logprobs
+    want = expected.choices[0].logprobs.content
+    assert [(lp.token, round(lp.logprob, 4), len(lp.top_logprobs)) for lp in got] == \
+        [(lp.token, round(lp.logprob, 4), 2) for lp in want]
+    assert client.responses.create(model="tiny", input="hello", max_output_tokens=2).output[0].content[0].logprobs == []
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": []}, "input"),
+    ({"input": 5}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"role": "wizard", "content": "x"}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+    ({"tools": [WEATHER]}, "tool_choice"),  # "auto" needs --tool-call-parser, as in chat
+    ({"background": True}, "background"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"include": ["file_search_call.results"]}, "include"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"text": {"format": {"type": "yaml"}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "schema": CITY}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "string", "pattern": "a"}}}},
+     "text"),
+    ({"input": "hi " * 600}, "input"),
+    ({"max_output_tokens": 600}, "max_output_tokens"),
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+    ({"instructions": ["x"]}, "instructions"),
+    ({"stream": "yes"}, "stream"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, body, param):
+    status, error = post(server + "/v1/responses", {"input": "hi", **body})
+    assert status == 400 and error["error"]["param"] == param, error
+
+
+def test_the_model_must_be_the_served_one(server):
+    status, error = post(server + "/v1/responses", {"model": "gpt-4o", "input": "hi"})
+    assert status == 404 and error["error"]["code"] == "model_not_found"
+
+
+def test_the_store_drops_its_oldest_and_keeps_none_at_zero():
+    store = ResponseStore(2)
+    for i in range(3):
+        store.put({"id": str(i)}, [])
+    store.get("1")  # read: now the newest
+    store.put({"id": "3"}, [])
+    assert list(store.items) == ["1", "3"]
+    empty = ResponseStore(0)
+    empty.put({"id": "a"}, [])
+    assert not empty.items
+
+
+def test_a_stream_that_breaks_ends_with_an_error_event_and_a_failed_response(llama_dir):
+    """An engine failure mid-stream: an error event and response.failed (no traceback sent);
+    the response is not stored, and the next one is served."""
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        fail_step(engine, 4)
+        async with aiohttp.ClientSession() as session:
+            body = {"input": "hello", "max_output_tokens": 30, "temperature": 0, "ignore_eos": True, "stream": True}
+            async with session.post(url + "/v1/responses", json=body) as r:
+                raw = (await r.read()).decode()
+            events = [json.loads(frame.split("\ndata: ", 1)[1]) for frame in raw.split("\n\n") if frame]
+            async with session.get(url + "/v1/responses/" + events[0]["response"]["id"]) as r:
+                stored = r.status
+            async with session.post(url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2}) as r:
+                after = (r.status, (await r.json())["status"])
+        await runner.cleanup()
+        return raw, events, stored, after
+
+    raw, events, stored, after = asyncio.run(main())
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["code"] == "server_error" and "Traceback" not in raw and "injected" not in raw
+    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"] == "server_error"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert stored == 404 and after == (200, "incomplete")
