@@ -3,6 +3,7 @@
 Workers loop for --seconds, each picking one of: streamed chats and completions (some cut
 off after a few chunks), n > 1 with logprobs and echo, requests whose client times out,
 JSON-schema, choice and tool-call outputs, prompt_logprobs, long prompts sharing a prefix,
+responses (/v1/responses, streamed and not, and ones going on from them),
 websockets closed mid-stream or sent bad frames, tokenize/detokenize, and bad bodies that
 must get a 400. Afterwards the engine must go idle with no KV block held (/metrics) and
 still serve. With --pid, the server's resident memory before and after (run twice: memory
@@ -99,7 +100,7 @@ class Soak:
             return r.status
 
     async def one(self, s) -> None:
-        kind = random.randrange(16)
+        kind = random.randrange(18)
         if kind == 0:
             self.expect("chat stream", await self.stream(s, "/v1/chat/completions", self.chat(stream=True)), 200)
         elif kind == 1:
@@ -184,10 +185,30 @@ class Soak:
             status, t = await self.post(s, "/v1/completions", {"model": self.model, "prompt": "shared " * 300 +
                                                                self.text(5), "max_tokens": 16, "temperature": 0})
             self.expect("long prompt, shared prefix", status, 200, t)
-        else:
+        elif kind == 15:
             status = await self.stream(s, "/v1/completions", self.completion(
                 stream=True, ignore_eos=True, max_tokens=64, min_tokens=10, stop=["."]))
             self.expect("completion stream", status, 200)
+        elif kind == 16:  # a response, then one going on from it
+            body = {"model": self.model, "input": self.text(10), "max_output_tokens": random.randint(1, 32)}
+            status, t = await self.post(s, "/v1/responses", body)
+            self.expect("response", status, 200, t)
+            if status == 200:
+                status, t = await self.post(s, "/v1/responses", {**body, "previous_response_id": json.loads(t)["id"]})
+                self.expect("response going on", status, 200, t)
+        else:  # a streamed response, left early or read to its last event
+            cut = random.choice([None, random.randint(1, 6)])
+            async with s.post(self.url + "/v1/responses", json={"model": self.model, "input": self.text(10),
+                                                                "stream": True, "max_output_tokens": 40}) as r:
+                events = []
+                async for line in r.content:
+                    if line.startswith(b"event: "):
+                        events.append(line[7:].strip().decode())
+                        if cut is not None and len(events) >= cut:
+                            break
+            self.counts["streamed response"] += 1
+            if cut is None and events[-1:] not in (["response.completed"], ["response.incomplete"]):
+                self.problems.append(("streamed response ended with", events[-3:]))
 
     async def worker(self, s, end: float) -> None:
         while time.time() < end:
