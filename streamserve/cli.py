@@ -103,7 +103,7 @@ async def _serve(server: ServerConfig, model_name: str, make_config) -> int:
     from aiohttp import web
 
     from streamserve.frontend.async_engine import AsyncEngine, EngineDeadError
-    from streamserve.server.app import app_runner
+    from streamserve.server.app import app_runner, drain
 
     log = logging.getLogger("streamserve")
     try:  # the port first: a busy one is reported at once, not after the model has loaded
@@ -116,19 +116,56 @@ async def _serve(server: ServerConfig, model_name: str, make_config) -> int:
     engine = AsyncEngine(make_config, freeze_heap=True)  # this process serves it to the end
     runner = app_runner(engine, server, model_name)
     await runner.setup()
+    signals = _Signals(log)
+    ready = asyncio.ensure_future(engine.wait_ready())
+    stopped = asyncio.ensure_future(signals.stop.wait())
     try:
-        await web.SockSite(runner, sock).start()
+        site = web.SockSite(runner, sock)
+        await site.start()
         log.info("listening on http://%s:%d (GET /health says when the model is ready)",
                  server.host, sock.getsockname()[1])
-        try:
-            await engine.wait_ready()
-        except EngineDeadError as exc:
+        await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if not ready.done():
+            return 0  # stopped while loading: nothing in flight
+        if ready.exception() is not None:
+            exc = ready.exception()
             print(f"streamserve: error: {exc.__cause__ or exc}", file=sys.stderr)
             return 2
-        await asyncio.Event().wait()  # serve until interrupted
+        await stopped  # serve until SIGTERM or SIGINT
+        await site.stop()  # no new connections
+        left = await drain(runner.app, server.shutdown_timeout, signals.cut)
+        if left:
+            log.warning("cutting off the %d requests still running", engine.abort_all("the server is shutting down"))
         return 0
     finally:
+        ready.cancel()
+        stopped.cancel()
         await runner.cleanup()
+
+
+class _Signals:
+    """SIGTERM and SIGINT: the first sets `stop` (the server then drains: no new connections or
+    requests, the requests in flight finish), a second sets `cut` (they are cut off). A SIGINT
+    that was ignored (a background job's) stays ignored."""
+
+    def __init__(self, log) -> None:
+        import asyncio
+        import signal
+
+        self.log, self.stop, self.cut = log, asyncio.Event(), asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                loop.add_signal_handler(sig, self.on_signal, sig)
+
+    def on_signal(self, sig) -> None:
+        if self.stop.is_set():
+            self.log.warning("%s again: cutting off the requests in flight", sig.name)
+            self.cut.set()
+            return
+        self.log.info("%s: taking no new connections or requests; finishing the requests in flight "
+                      "(up to --shutdown-timeout seconds; send it again to stop now)", sig.name)
+        self.stop.set()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -244,6 +244,10 @@ class ServerConfig:
         "help": "comma-separated origins (scheme://host[:port]) whose web pages may open the "
                 "/v1/ws websocket besides the server's own, or '*' for any (default: its own only; "
                 "clients that send no Origin, i.e. not browsers, are always let in)"})
+    shutdown_timeout: float = field(default=60.0, metadata={
+        "help": "on SIGTERM or SIGINT, stop taking connections and new requests (503), give the requests "
+                "in flight up to this many seconds to finish, then cut off the rest and exit; a second "
+                "signal cuts them off at once"})
     max_stored_responses: int = field(default=1024, metadata={
         "help": "responses (POST /v1/responses with store true, the default) kept in memory for "
                 "previous_response_id and GET /v1/responses/{id}, the oldest dropped first; 0 keeps none"})
@@ -259,6 +263,8 @@ class ServerConfig:
             raise ValueError(f"port ({self.port}) must be in [0, 65535]")
         if self.max_n < 1:
             raise ValueError(f"max_n ({self.max_n}) must be >= 1")
+        if not self.shutdown_timeout >= 0:  # (nan too)
+            raise ValueError(f"shutdown_timeout ({self.shutdown_timeout}) must be >= 0")
         if self.max_stored_responses < 0:
             raise ValueError(f"max_stored_responses ({self.max_stored_responses}) must be >= 0")
         if self.max_choices < 1:

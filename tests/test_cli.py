@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import signal
 import subprocess
 import sys
 
+import aiohttp
+
+from live_server import start_server
 from streamserve import LLM, SamplingParams
 from streamserve.cli import build_parser, config_kwargs
 from streamserve.config import Config
@@ -112,3 +118,77 @@ def test_flags_that_would_be_ignored_are_refused(llama_dir, tmp_path):
         result = run_cli(*args)
         assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
         assert message in result.stderr.strip().splitlines()[-1], (args, result.stderr)
+
+
+async def _stream_across_sigterm(proc, url: str, signals: int, **extra) -> tuple[list[str], list, int]:
+    """Start a long stream, an idle websocket and a websocket stream, send `signals` SIGTERMs
+    once the stream has begun: (the stream's SSE data lines, the websockets' frames, whether
+    a new connection was refused)."""
+    body = {"prompt": "hello", "max_tokens": 450, "n": 8, "ignore_eos": True, "stream": True, **extra}
+    async with aiohttp.ClientSession() as session:
+        idle = await session.ws_connect(url + "/v1/ws")
+        busy = await session.ws_connect(url + "/v1/ws")
+        await busy.send_json({"type": "request", "id": "w", "endpoint": "completions", "body": body})
+        async with session.post(url + "/v1/completions", json=body) as r:
+            lines = [(await r.content.readline()).decode().strip()]
+            assert (await busy.receive_json(timeout=30))["type"] == "chunk"
+            for _ in range(signals):
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.2)
+            try:
+                async for line in r.content:
+                    lines.append(line.decode().strip())
+            except aiohttp.ClientPayloadError:
+                lines.append("(cut)")
+        frames = [msg async for msg in busy]
+        closed = await idle.receive(timeout=30)
+        try:
+            await session.get(url + "/health")
+            refused = False
+        except aiohttp.ClientConnectionError:
+            refused = True
+    return [line for line in lines if line.startswith("data:")], [frames, closed], refused
+
+
+def test_sigterm_lets_the_requests_in_flight_finish_then_exits(llama_dir):
+    """SIGTERM: the listening socket closes at once; the stream and the websocket's stream in
+    flight run to their ends; an idle websocket is told the server is going away (1001);
+    the process exits 0."""
+    proc, url = start_server(llama_dir, "--shutdown-timeout", "60")
+    try:
+        data, (frames, closed), refused = asyncio.run(_stream_across_sigterm(proc, url, 1))
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    log = proc.stdout.read()
+    assert rc == 0 and refused, log
+    assert data[-1] == "data: [DONE]"
+    finishes = [c["finish_reason"] for line in data[:-1] for c in json.loads(line[6:])["choices"] if c["finish_reason"]]
+    assert finishes == ["length"] * 8
+    ws_frames = [json.loads(f.data) for f in frames if f.type == aiohttp.WSMsgType.TEXT]
+    assert ws_frames[-1] == {"type": "done", "id": "w"}
+    assert sum(1 for f in ws_frames if f["type"] == "chunk"
+               for c in f["data"]["choices"] if c["finish_reason"] == "length") == 8
+    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == aiohttp.WSCloseCode.GOING_AWAY
+    assert "SIGTERM: taking no new connections or requests" in log and "cutting off" not in log
+
+
+def test_a_second_sigterm_cuts_the_requests_off(llama_dir):
+    """A second SIGTERM ends the streams in flight at once, each with an in-band 503."""
+    proc, url = start_server(llama_dir, "--shutdown-timeout", "60")
+    try:
+        data, (frames, closed), refused = asyncio.run(_stream_across_sigterm(proc, url, 2, max_tokens=480))
+        rc = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    log = proc.stdout.read()
+    assert rc == 0 and refused, log
+    assert data[-1] == "data: [DONE]"
+    assert json.loads(data[-2][6:])["error"] == {"message": "the server is shutting down", "type": "service_unavailable",
+                                                 "param": None, "code": None}
+    ws_frames = [json.loads(f.data) for f in frames if f.type == aiohttp.WSMsgType.TEXT]
+    assert ws_frames[-1] == {"type": "done", "id": "w"}
+    assert ws_frames[-2]["type"] == "error" and ws_frames[-2]["error"]["type"] == "service_unavailable"
+    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == aiohttp.WSCloseCode.GOING_AWAY
+    assert "SIGTERM again: cutting off the requests in flight" in log
+    assert "cutting off the 2 requests still running" in log

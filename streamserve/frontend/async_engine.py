@@ -87,6 +87,11 @@ class AsyncEngine:
     def is_ready(self) -> bool:
         return self._ready is not None and self._ready.is_set() and self.load_error is None
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests being streamed (added by generate and not yet finished or closed)."""
+        return len(self._queues)
+
     async def wait_ready(self) -> None:
         assert self._ready is not None, "start() first"
         await self._ready.wait()
@@ -139,6 +144,15 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def abort_all(self, why: str) -> int:
+        """Abort every request in flight, each of its streams failing with EngineDeadError(why);
+        how many there were."""
+        ids = list(self._queues)
+        for request_id in ids:
+            self.abort(request_id)
+            self._queues[request_id].put_nowait(EngineDeadError(why))
+        return len(ids)
 
     def abort(self, request_id: str) -> None:
         """Forget a request and tell the engine to free its blocks (within one step)."""

@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 import streamserve
 from streamserve.config import ServerConfig
-from streamserve.frontend.async_engine import AsyncEngine
+from streamserve.frontend.async_engine import AsyncEngine, EngineDeadError
 from streamserve.outputs import Logprob, RequestOutput
 from streamserve.sampling_params import ParamError
 from streamserve.server import protocol
@@ -49,6 +49,9 @@ ENGINE = web.AppKey("engine", AsyncEngine)
 READY_LOG = web.AppKey("ready_log", asyncio.Task)
 METRICS = web.AppKey("metrics", Metrics)
 CONFIG = web.AppKey("serving", Serving)
+DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: new requests are refused
+# what a handler still running when the drain ends (or at a second signal) gets to finish its writes
+HANDLER_GRACE_SECONDS = 1.0
 # a request's key: its streamed response has begun (web.RequestKey where aiohttp has it, >= 3.12)
 STARTED = web.RequestKey("response_started", bool) if hasattr(web, "RequestKey") else "streamserve.started"
 
@@ -73,6 +76,8 @@ async def errors_middleware(request: web.Request, handler):
         return await handler(request)
     except APIError as exc:
         return json_response(exc.body(), exc.status)
+    except EngineDeadError as exc:  # the server shutting down cut the request off
+        return json_response(unavailable(exc).body(), 503)
     except web.HTTPException as exc:  # aiohttp's own (404 route, 405 method, 413 body size)
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
         message = exc.text if exc.status == 413 and exc.text else exc.reason
@@ -90,6 +95,7 @@ def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web
     app[CONFIG] = Serving(server, model_name, int(time.time()))
     app[ENGINE] = engine
     app[METRICS] = Metrics(engine, model_name)
+    app[DRAINING] = asyncio.Event()
     app.router.add_get("/", chat_page)
     app.router.add_get("/static/{name}", static_file)
     app.router.add_get("/health", health)
@@ -100,10 +106,9 @@ def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
-    from streamserve.server.responses import add_routes  # these import this module's helpers
-    from streamserve.server.websocket import websocket
-    add_routes(app)
-    app.router.add_get("/v1/ws", websocket)
+    from streamserve.server import responses, websocket  # they import this module's helpers
+    responses.add_routes(app)
+    websocket.add_routes(app)
 
     async def on_startup(app: web.Application) -> None:
         engine.start()
@@ -120,8 +125,22 @@ def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web
 def app_runner(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web.AppRunner:
     """The runner to serve build_app's app with. A handler whose client disconnects is
     cancelled (aiohttp's handler_cancellation, off by default since 3.9): a request that is
-    not streamed is aborted then too, as a stream is when its next write fails."""
-    return web.AppRunner(build_app(engine, server, model_name), handler_cancellation=True)
+    not streamed is aborted then too, as a stream is when its next write fails. Its cleanup
+    gives the handlers still running HANDLER_GRACE_SECONDS, then cancels them (`drain` first
+    lets the requests in flight finish)."""
+    return web.AppRunner(build_app(engine, server, model_name), handler_cancellation=True,
+                         shutdown_timeout=HANDLER_GRACE_SECONDS)
+
+
+async def drain(app: web.Application, timeout: float, cut: Optional[asyncio.Event] = None) -> int:
+    """Refuse new requests (503) and wait up to `timeout` seconds (or until `cut` is set) for
+    those in flight to finish; how many are still running."""
+    app[DRAINING].set()
+    engine = app[ENGINE]
+    deadline = time.monotonic() + timeout
+    while engine.num_in_flight and time.monotonic() < deadline and not (cut is not None and cut.is_set()):
+        await asyncio.sleep(0.05)
+    return engine.num_in_flight
 
 
 async def _log_when_ready(model_name: str, engine: AsyncEngine) -> None:
@@ -161,6 +180,8 @@ async def health(request: web.Request) -> web.Response:
         return json_response({"status": "error", "error": str(engine.load_error)}, 503)
     if not engine.is_ready:
         return json_response({"status": "loading"}, 503)
+    if request.app[DRAINING].is_set():
+        return json_response({"status": "shutting down"}, 503)
     return json_response({"status": "ok"})
 
 
@@ -214,6 +235,8 @@ def parse_json(raw: bytes | str) -> dict[str, Any]:
 
 def check_ready(request: web.Request) -> None:
     engine = request.app[ENGINE]
+    if request.app[DRAINING].is_set():
+        raise APIError(503, "the server is shutting down", type="service_unavailable")
     if not engine.is_ready:
         raise APIError(503, "the model is still loading" if engine.load_error is None else
                        "the engine failed to load", type="service_unavailable")
@@ -659,10 +682,16 @@ def _scored_prompt_choices(call: _Call, delta: RequestOutput, text_offsets: list
     return firsts
 
 
+def unavailable(exc: EngineDeadError) -> APIError:
+    return APIError(503, str(exc), type="service_unavailable")
+
+
 def in_band_error(exc: Exception, what: str) -> APIError:
     """An error met after a stream started, as the error to send inside it."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineDeadError):
+        return unavailable(exc)
     if isinstance(exc, (ValueError, TypeError)):
         return bad_request(str(exc))
     logger.error("error while streaming %s", what, exc_info=exc)

@@ -25,15 +25,16 @@ from typing import Any, Optional
 from urllib.parse import urlsplit
 
 import orjson
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
-from streamserve.server.app import (CONFIG, _Call, _chunks, api_key_ok, check_body, in_band_error, parse_json,
-                                    prepare)
+from streamserve.server.app import (CONFIG, HANDLER_GRACE_SECONDS, _Call, _chunks, api_key_ok, check_body,
+                                    in_band_error, parse_json, prepare)
 from streamserve.server.protocol import APIError, bad_request
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 20.0
+SOCKETS = web.AppKey("websockets", set)  # the open _Sockets, closed (1001) when the server shuts down
 _ENDPOINTS = {"chat.completions": True, "completions": False}
 
 
@@ -147,6 +148,7 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
                                max_msg_size=request.app[CONFIG].server.max_request_bytes + 1)
     await prepare(request, ws)
     sock = _Socket(request, ws)
+    request.app[SOCKETS].add(sock)
     try:
         async for msg in ws:
             if msg.type == WSMsgType.BINARY:
@@ -157,5 +159,23 @@ async def websocket(request: web.Request) -> web.WebSocketResponse:
                 except Exception:
                     await sock.internal_error(None, "a websocket frame")
     finally:
+        request.app[SOCKETS].discard(sock)
         await sock.close()
     return ws
+
+
+async def _close_sockets(app: web.Application) -> None:
+    """On shutdown, after the drain: each open socket's streams get a moment to send their
+    last frames (those cut off, their error), then the socket is told the server is going away."""
+    sockets = list(app[SOCKETS])
+    tasks = [task for sock in sockets for task in sock.tasks.values()]
+    if tasks:
+        await asyncio.wait(tasks, timeout=HANDLER_GRACE_SECONDS)
+    for sock in sockets:
+        await sock.ws.close(code=WSCloseCode.GOING_AWAY, message=b"the server is shutting down")
+
+
+def add_routes(app: web.Application) -> None:
+    app[SOCKETS] = set()
+    app.router.add_get("/v1/ws", websocket)
+    app.on_shutdown.append(_close_sockets)
