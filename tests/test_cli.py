@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+from typing import NamedTuple
 
 import aiohttp
 
@@ -120,10 +121,16 @@ def test_flags_that_would_be_ignored_are_refused(llama_dir, tmp_path):
         assert message in result.stderr.strip().splitlines()[-1], (args, result.stderr)
 
 
-async def _stream_across_sigterm(proc, url: str, signals: int, **extra) -> tuple[list[str], list, int]:
-    """Start a long stream, an idle websocket and a websocket stream, send `signals` SIGTERMs
-    once the stream has begun: (the stream's SSE data lines, the websockets' frames, whether
-    a new connection was refused)."""
+class Stopped(NamedTuple):
+    data: list[str]  # the stream's SSE data lines
+    ws_frames: list[dict]  # the busy websocket's JSON frames
+    closed: aiohttp.WSMessage  # what the idle websocket got last
+    refused: bool  # a new connection was refused
+    rc: int
+    log: str
+
+
+async def _stream_across_sigterm(proc, url: str, signals: int, **extra) -> tuple:
     body = {"prompt": "hello", "max_tokens": 450, "n": 8, "ignore_eos": True, "stream": True, **extra}
     async with aiohttp.ClientSession() as session:
         idle = await session.ws_connect(url + "/v1/ws")
@@ -135,60 +142,55 @@ async def _stream_across_sigterm(proc, url: str, signals: int, **extra) -> tuple
             for _ in range(signals):
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.2)
-            try:
-                async for line in r.content:
-                    lines.append(line.decode().strip())
-            except aiohttp.ClientPayloadError:
-                lines.append("(cut)")
-        frames = [msg async for msg in busy]
+            lines += [line.decode().strip() async for line in r.content]
+        frames = [json.loads(msg.data) async for msg in busy if msg.type == aiohttp.WSMsgType.TEXT]
         closed = await idle.receive(timeout=30)
         try:
             await session.get(url + "/health")
             refused = False
         except aiohttp.ClientConnectionError:
             refused = True
-    return [line for line in lines if line.startswith("data:")], [frames, closed], refused
+    return [line for line in lines if line.startswith("data:")], frames, closed, refused
+
+
+def stopped_server(model_dir: str, signals: int, **extra) -> Stopped:
+    """A server with a long stream, a websocket stream and an idle websocket open, sent
+    `signals` SIGTERMs once the streams have begun."""
+    proc, url = start_server(model_dir, "--shutdown-timeout", "60")
+    try:
+        seen = asyncio.run(_stream_across_sigterm(proc, url, signals, **extra))
+        rc = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    return Stopped(*seen, rc, proc.stdout.read())
 
 
 def test_sigterm_lets_the_requests_in_flight_finish_then_exits(llama_dir):
     """SIGTERM: the listening socket closes at once; the stream and the websocket's stream in
     flight run to their ends; an idle websocket is told the server is going away (1001);
     the process exits 0."""
-    proc, url = start_server(llama_dir, "--shutdown-timeout", "60")
-    try:
-        data, (frames, closed), refused = asyncio.run(_stream_across_sigterm(proc, url, 1))
-        rc = proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    log = proc.stdout.read()
-    assert rc == 0 and refused, log
-    assert data[-1] == "data: [DONE]"
-    finishes = [c["finish_reason"] for line in data[:-1] for c in json.loads(line[6:])["choices"] if c["finish_reason"]]
+    run = stopped_server(llama_dir, 1)
+    assert run.rc == 0 and run.refused, run.log
+    assert run.data[-1] == "data: [DONE]"
+    finishes = [c["finish_reason"] for line in run.data[:-1] for c in json.loads(line[6:])["choices"]
+                if c["finish_reason"]]
     assert finishes == ["length"] * 8
-    ws_frames = [json.loads(f.data) for f in frames if f.type == aiohttp.WSMsgType.TEXT]
-    assert ws_frames[-1] == {"type": "done", "id": "w"}
-    assert sum(1 for f in ws_frames if f["type"] == "chunk"
+    assert run.ws_frames[-1] == {"type": "done", "id": "w"}
+    assert sum(1 for f in run.ws_frames if f["type"] == "chunk"
                for c in f["data"]["choices"] if c["finish_reason"] == "length") == 8
-    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == aiohttp.WSCloseCode.GOING_AWAY
-    assert "SIGTERM: taking no new connections or requests" in log and "cutting off" not in log
+    assert run.closed.type == aiohttp.WSMsgType.CLOSE and run.closed.data == aiohttp.WSCloseCode.GOING_AWAY
+    assert "SIGTERM: taking no new connections or requests" in run.log and "cutting off" not in run.log
 
 
 def test_a_second_sigterm_cuts_the_requests_off(llama_dir):
     """A second SIGTERM ends the streams in flight at once, each with an in-band 503."""
-    proc, url = start_server(llama_dir, "--shutdown-timeout", "60")
-    try:
-        data, (frames, closed), refused = asyncio.run(_stream_across_sigterm(proc, url, 2, max_tokens=480))
-        rc = proc.wait(timeout=30)
-    finally:
-        proc.kill()
-    log = proc.stdout.read()
-    assert rc == 0 and refused, log
-    assert data[-1] == "data: [DONE]"
-    assert json.loads(data[-2][6:])["error"] == {"message": "the server is shutting down", "type": "service_unavailable",
-                                                 "param": None, "code": None}
-    ws_frames = [json.loads(f.data) for f in frames if f.type == aiohttp.WSMsgType.TEXT]
-    assert ws_frames[-1] == {"type": "done", "id": "w"}
-    assert ws_frames[-2]["type"] == "error" and ws_frames[-2]["error"]["type"] == "service_unavailable"
-    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == aiohttp.WSCloseCode.GOING_AWAY
-    assert "SIGTERM again: cutting off the requests in flight" in log
-    assert "cutting off the 2 requests still running" in log
+    run = stopped_server(llama_dir, 2, max_tokens=480)
+    assert run.rc == 0 and run.refused, run.log
+    assert run.data[-1] == "data: [DONE]"
+    assert json.loads(run.data[-2][6:])["error"] == {"message": "the server is shutting down",
+                                                     "type": "service_unavailable", "param": None, "code": None}
+    assert run.ws_frames[-1] == {"type": "done", "id": "w"}
+    assert run.ws_frames[-2]["type"] == "error" and run.ws_frames[-2]["error"]["type"] == "service_unavailable"
+    assert run.closed.type == aiohttp.WSMsgType.CLOSE and run.closed.data == aiohttp.WSCloseCode.GOING_AWAY
+    assert "SIGTERM again: cutting off the requests in flight" in run.log
+    assert "cutting off the 2 requests still running" in run.log
