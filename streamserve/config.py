@@ -248,9 +248,10 @@ class ServerConfig:
         "help": "on SIGTERM or SIGINT, stop taking connections and new requests (503), give the requests "
                 "in flight up to this many seconds to finish, then cut off the rest and exit; a second "
                 "signal cuts them off at once"})
-    max_stored_responses: int = field(default=1024, metadata={
-        "help": "responses (POST /v1/responses with store true, the default) kept in memory for "
-                "previous_response_id and GET /v1/responses/{id}, the oldest dropped first; 0 keeps none"})
+    responses_memory: str = field(default="256MiB", metadata={
+        "help": "memory for the responses kept (POST /v1/responses with store true, the default) for "
+                "previous_response_id and GET /v1/responses/{id}, counted as their JSON; the oldest are "
+                "dropped first to stay within it; 0 keeps none"})
     tool_call_parser: Optional[str] = field(default=None, metadata={
         "help": "read tool calls out of the model's replies in this format, which lets chats take "
                 "tool_choice 'auto' (the default with tools): 'hermes' (<tool_call>{\"name\": ..., "
@@ -265,8 +266,8 @@ class ServerConfig:
             raise ValueError(f"max_n ({self.max_n}) must be >= 1")
         if not self.shutdown_timeout >= 0:  # (nan too)
             raise ValueError(f"shutdown_timeout ({self.shutdown_timeout}) must be >= 0")
-        if self.max_stored_responses < 0:
-            raise ValueError(f"max_stored_responses ({self.max_stored_responses}) must be >= 0")
+        if parse_size(self.responses_memory) < 0:
+            raise ValueError(f"responses_memory ({self.responses_memory}) must be a size >= 0")
         if self.max_choices < 1:
             raise ValueError(f"max_choices ({self.max_choices}) must be >= 1")
         if self.max_request_bytes < 1024:

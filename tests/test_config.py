@@ -86,7 +86,7 @@ def test_every_field_is_a_keyword_of_one_part():
             "num_gpu_blocks_override", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens", "device", "kernel_backend",
             "enforce_eager", "load_format",
             "host", "port", "served_model_name", "api_key", "max_n", "max_choices", "max_request_bytes",
-            "sse_keepalive_seconds", "allowed_origins", "shutdown_timeout", "max_stored_responses",
+            "sse_keepalive_seconds", "allowed_origins", "shutdown_timeout", "responses_memory",
             "tool_call_parser"} == set(names)
     # The values read from the checkpoint are not settings.
     assert "hf_config" not in names and "torch_dtype" not in names
@@ -185,9 +185,11 @@ def test_scheduler_limits_must_be_positive(model_dir):
         Config.from_kwargs(model=model_dir, max_num_batched_tokens=0)
     with pytest.raises(ValueError, match="num_gpu_blocks_override"):
         Config.from_kwargs(model=model_dir, num_gpu_blocks_override=0)
-    with pytest.raises(ValueError, match=r"max_stored_responses \(-1\) must be >= 0"):
-        Config.from_kwargs(model=model_dir, max_stored_responses=-1)
-    assert Config.from_kwargs(model=model_dir, max_stored_responses=0).server.max_stored_responses == 0
+    with pytest.raises(ValueError, match=r"responses_memory \(-1\) must be a size >= 0"):
+        Config.from_kwargs(model=model_dir, responses_memory="-1")
+    with pytest.raises(ValueError, match="as a size in bytes"):
+        Config.from_kwargs(model=model_dir, responses_memory="lots")
+    assert Config.from_kwargs(model=model_dir, responses_memory="0").server.responses_memory == "0"
     with pytest.raises(ValueError, match=r"shutdown_timeout \(-1.0\) must be >= 0"):
         Config.from_kwargs(model=model_dir, shutdown_timeout=-1.0)
 

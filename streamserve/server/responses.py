@@ -10,12 +10,15 @@ content_part.added / output_text.delta ... (or function_call_arguments.delta ...
 .done events, and response.completed (response.incomplete when max_output_tokens cut it, an
 error event and response.failed when it broke).
 
-Responses are stored (`store`, true by default, as OpenAI has it) in memory, the last
---max-stored-responses of them: GET /v1/responses/{id} returns one, DELETE forgets it, and
+Items are written one at a time: each is done before the next is added. Responses are stored
+(`store`, true by default, as OpenAI has it) in memory, as JSON, the newest within
+--responses-memory: GET /v1/responses/{id} returns one, DELETE forgets it, and
 `previous_response_id` goes on from one's conversation (its input and output; not its
 instructions, as OpenAI has it). What this server cannot do is refused with a 400: inputs
 other than text, function calls and their outputs; tools other than functions; background
-runs, reasoning settings, conversations, prompt templates and truncation "auto".
+runs, reasoning settings, conversations, prompt templates and truncation "auto". The usage
+counts the prompt tokens read from the prefix cache as cached_tokens; there is no separate
+account of tokens written to it (cache_write_tokens is 0).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any, AsyncIterator, Optional
 import orjson
 from aiohttp import web
 
+from streamserve.config import parse_size
 from streamserve.outputs import RequestOutput
 from streamserve.server.app import (CONFIG, SSE_HEADERS, _Call, _chunks, _with_keepalive, check_api_key,
                                     in_band_error, json_response, prepare, read_body)
@@ -38,7 +42,7 @@ LOGPROBS = "message.output_text.logprobs"
 # vLLM's sampling extras, passed on to the chat body as they are
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias",
-             "skip_special_tokens", "chat_template_kwargs", "parallel_tool_calls")
+             "skip_special_tokens", "chat_template_kwargs", "parallel_tool_calls", "structured_outputs")
 # the chat body's fields that the Responses body names otherwise
 _CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text",
                "logprobs": "include"}
@@ -46,41 +50,62 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develop
 
 
 class ResponseStore:
-    """The last `size` stored responses, oldest dropped first: each one's object and the
-    conversation it ends (chat messages: its input, then its output)."""
+    """The newest stored responses within `budget` bytes (oldest dropped first): each one's
+    object and the conversation it ends (chat messages: its input, then its output), kept as
+    JSON, so what they hold is what they cost."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+    def __init__(self, budget: int) -> None:
+        self.budget, self.used = budget, 0
+        self.items: OrderedDict[str, bytes] = OrderedDict()
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        if self.size == 0:
+        blob = orjson.dumps({"response": response, "conversation": conversation})
+        if len(blob) > self.budget:
             return
-        self.items[response["id"]] = (response, conversation)
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
+        self.items[response["id"]] = blob
+        self.used += len(blob)
+        while self.used > self.budget:
+            self.used -= len(self.items.popitem(last=False)[1])
 
     def get(self, response_id: str, param: Optional[str] = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        found = self.items.get(response_id)
-        if found is None:
-            raise APIError(404, f"no stored response with id {response_id!r} (this server keeps the last "
-                           f"{self.size}, in memory)", param=param, type="not_found_error")
+        blob = self.items.get(response_id)
+        if blob is None:
+            raise APIError(404, f"no stored response with id {response_id!r} (this server keeps the newest "
+                           "within --responses-memory, in memory)", param=param, type="not_found_error")
         self.items.move_to_end(response_id)
-        return found
+        stored = orjson.loads(blob)
+        return stored["response"], stored["conversation"]
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        self.used -= len(self.items.pop(response_id))
 
 
 RESPONSES = web.AppKey("responses", ResponseStore)
 
 
 def _text_parts(content: Any, where: str) -> str:
-    """A message's content: a string, or input_text / output_text parts (their texts joined)."""
+    """A message's content: a string, or input_text / output_text (or refusal) parts, their
+    texts joined."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text")
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise bad_request(f"{where}.content must be a string or a list of input_text parts (this server reads "
-                      "text only)", "input")
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        texts = [p.get("refusal" if p.get("type") == "refusal" else "text") for p in content
+                 if p.get("type") in ("input_text", "output_text", "refusal")]
+        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise bad_request(f"{where} must be a string or a list of input_text parts (this server reads text only)",
+                      "input")
+
+
+def _add_call(messages: list[dict[str, Any]], call_id: str, name: str, arguments: str) -> None:
+    """A function call as a tool call of the assistant message before it (one turn), or of a
+    new one."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    if messages and messages[-1]["role"] == "assistant":
+        messages[-1].setdefault("tool_calls", []).append(call)
+    else:
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
 def input_messages(items: Any) -> list[dict[str, Any]]:
@@ -95,23 +120,23 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message" and item.get("role") in _ROLES:
-            messages.append({"role": _ROLES[item["role"]], "content": _text_parts(item.get("content"), where)})
+        role = item.get("role") if kind == "message" else None
+        if isinstance(role, str) and role in _ROLES:
+            content = _text_parts(item.get("content"), where + ".content")
+            if role == "assistant" and messages and messages[-1]["role"] == "assistant" \
+                    and "tool_calls" not in messages[-1]:
+                messages[-1]["content"] += content  # one turn's text, in parts
+            else:
+                messages.append({"role": _ROLES[role], "content": content})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise bad_request(f"{where}: a function_call needs string 'call_id', 'name' and 'arguments'", "input")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            _add_call(messages, item["call_id"], item["name"], item["arguments"])
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where}: a function_call_output needs a string 'call_id'", "input")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text_parts(item.get("output"), where)})
+                             "content": _text_parts(item.get("output"), where + ".output")})
         elif kind == "message":
             raise bad_request(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", "input")
         else:
@@ -139,7 +164,7 @@ def _tools(body: dict[str, Any]) -> dict[str, Any]:
                 raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                                   "\"name\": ...}", "tool_choice")
             choice = {"type": "function", "function": {"name": choice["name"]}}
-        if choice != "none" or chat:  # "none" with no tools: nothing to choose from, nothing asked
+        if chat or choice not in ("none", "auto"):  # without tools, these two ask for nothing
             chat["tool_choice"] = choice
     return chat
 
@@ -175,7 +200,8 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
                       ("prompt", "prompt templates"), ("max_tool_calls", "a limit on tool calls")):
         if body.get(key) not in (None, False):
             raise bad_request(f"'{key}': this server does not support {what}", key)
-    if body.get("reasoning") not in (None, {}):
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not (isinstance(reasoning, dict) and all(v is None for v in reasoning.values())):
         raise bad_request("'reasoning': this server has no reasoning settings", "reasoning")
     if body.get("truncation") not in (None, "disabled"):
         raise bad_request("'truncation' must be 'disabled': an input too long for the context is refused",
@@ -189,9 +215,10 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
             for k, v in metadata.items())):
         raise bad_request("'metadata' must map at most 16 keys (up to 64 characters) to strings (up to 512)",
                           "metadata")
-    for key in ("store", "stream"):
-        if not isinstance(body.get(key, False), bool):
-            raise bad_request(f"'{key}' must be a boolean", key)
+    for key, kind, what in (("store", bool, "a boolean"), ("stream", bool, "a boolean"),
+                            ("parallel_tool_calls", bool, "a boolean"), ("user", str, "a string")):
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            raise bad_request(f"'{key}' must be {what}", key)
 
 
 class ResponsesRequest:
@@ -200,8 +227,8 @@ class ResponsesRequest:
     def __init__(self, body: dict[str, Any], store: ResponseStore) -> None:
         _refuse_unsupported(body)
         self.body = body
-        self.stream = body.get("stream", False)
-        self.store = body.get("store", True)
+        self.stream = bool(body.get("stream"))
+        self.store = body.get("store") is not False
         self.logprobs = LOGPROBS in (body.get("include") or [])
         earlier: list[dict[str, Any]] = []
         previous = body.get("previous_response_id")
@@ -233,14 +260,16 @@ class ResponsesRequest:
 
 
 class ResponseBuilder:
-    """A response's object and its stream's events, from the chat chunks of its one choice."""
+    """A response's object and its stream's events, from the chat chunks of its one choice.
+    One output item is open at a time (`self.open`): text opens a message item, a tool call
+    a function_call item, each closing the one before."""
 
     def __init__(self, request: ResponsesRequest, call: _Call) -> None:
         self.request, self.call = request, call
         body = request.body
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
-        self.message: Optional[int] = None  # the output index of the message item being written
+        self.open: Optional[int] = None  # the output index of the item being written
         self.pending_logprobs: list[dict[str, Any]] = []  # tokens' logprobs whose text has not come yet
         self.calls: dict[int, int] = {}  # a chat tool call's index -> its item's output index
         self.cached_tokens = 0
@@ -249,14 +278,13 @@ class ResponseBuilder:
             "status": "in_progress", "background": False, "error": None, "incomplete_details": None,
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "metadata": body.get("metadata") or {}, "model": call.model, "output": [],
-            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "previous_response_id": body.get("previous_response_id"), "reasoning": None,
             "store": request.store, "temperature": body.get("temperature", 1.0),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-            "tool_choice": body.get("tool_choice", "auto" if body.get("tools") else "none"),
-            "tools": body.get("tools") or [], "top_p": body.get("top_p", 1.0),
-            "top_logprobs": body.get("top_logprobs"), "truncation": "disabled", "usage": None,
-            "user": body.get("user")}
+            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+            "top_p": body.get("top_p", 1.0), "top_logprobs": body.get("top_logprobs"),
+            "truncation": "disabled", "usage": None, "user": body.get("user")}
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence += 1
@@ -287,11 +315,8 @@ class ResponseBuilder:
                         yield event
                 finish = choice.get("finish_reason") or finish
         incomplete = finish == "length"
-        for event in self._close_message(incomplete):
+        for event in self._close(incomplete):
             yield event
-        for index in self.calls.values():
-            for event in self._close_call(index, incomplete):
-                yield event
         self.response.update(self.snapshot(), status="incomplete" if incomplete else "completed",
                              usage=self._usage(usage))
         if incomplete:
@@ -299,26 +324,23 @@ class ResponseBuilder:
         yield self.event("response.incomplete" if incomplete else "response.completed", response=self.response)
 
     def failed(self, error: APIError) -> list[dict[str, Any]]:
-        """The events that end a stream that broke: the error, then the failed response."""
-        self.response.update(self.snapshot(), status="failed",
-                             error={"code": error.code or error.type, "message": error.message})
+        """The events that end a stream that broke: the error, then the failed response (its
+        error code one of OpenAI's: server_error, or invalid_prompt for the request's fault)."""
+        code = "server_error" if error.status >= 500 else "invalid_prompt"
+        self.response.update(self.snapshot(), status="failed", error={"code": code, "message": error.message})
         return [self.event("error", code=error.code or error.type, message=error.message, param=error.param),
                 self.event("response.failed", response=self.response)]
 
     def conversation(self) -> list[dict[str, Any]]:
-        """The conversation this response ends: its input's, then its output as messages."""
-        messages = list(self.request.conversation)
+        """The conversation this response ends: its input's, then its output as one assistant
+        message (its text, and its function calls as tool calls)."""
+        messages = list(self.request.conversation) + [{"role": "assistant", "content": ""}]
         for item in self.response["output"]:
             if item["type"] == "message":
-                messages.append({"role": "assistant", "content": item["content"][0]["text"]})
+                messages[-1]["content"] += item["content"][0]["text"]
             else:
-                call = {"id": item["call_id"], "type": "function",
-                        "function": {"name": item["name"], "arguments": item["arguments"]}}
-                if messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
-                    messages[-1]["tool_calls"].append(call)
-                else:
-                    messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        return messages
+                _add_call(messages, item["call_id"], item["name"], item["arguments"])
+        return messages if messages[-1]["content"] or "tool_calls" in messages[-1] else messages[:-1]
 
     def _text(self, text: str, logprobs: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         if self.request.logprobs and logprobs:
@@ -326,48 +348,39 @@ class ResponseBuilder:
         if not text:
             return []
         events = []
-        if self.message is None:
-            self.message = len(self.items)
-            self.items.append({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "in_progress",
-                               "role": "assistant", "content": []})
-            events.append(self.event("response.output_item.added", output_index=self.message,
-                                     item=dict(self.items[self.message])))
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            self.items[self.message]["content"] = [part]
-            events.append(self.event("response.content_part.added", **self._where(), part=dict(part)))
-        part = self.items[self.message]["content"][0]
+        if self.open is None or self.items[self.open]["type"] != "message":
+            events += self._close(False)
+            self.open = len(self.items)
+            item = {"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "in_progress",
+                    "role": "assistant", "content": []}
+            self.items.append(item)
+            events.append(self.event("response.output_item.added", output_index=self.open, item=dict(item)))
+            events.append(self.event("response.content_part.added", **self._where(),
+                                     part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+            item["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
+        part = self.items[self.open]["content"][0]
         part["text"] += text
-        part["logprobs"] += self.pending_logprobs
+        part["logprobs"] = part["logprobs"] + self.pending_logprobs
         events.append(self.event("response.output_text.delta", **self._where(), delta=text,
                                  logprobs=self.pending_logprobs))
         self.pending_logprobs = []
         return events
 
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self.items[self.message]["id"], "output_index": self.message, "content_index": 0}
-
-    def _close_message(self, incomplete: bool) -> list[dict[str, Any]]:
-        if self.message is None:
-            return []
-        item, where = self.items[self.message], self._where()
-        part = item["content"][0]
-        part["logprobs"] += self.pending_logprobs
-        item["status"] = "incomplete" if incomplete else "completed"
-        self.message, self.pending_logprobs = None, []
-        return [self.event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
-                self.event("response.content_part.done", **where, part=dict(part)),
-                self.event("response.output_item.done", output_index=where["output_index"], item=dict(item))]
+        return {"item_id": self.items[self.open]["id"], "output_index": self.open, "content_index": 0}
 
     def _tool_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
-        """A chat tool-call delta: a new call (it has an id) opens an item (closing the message
-        before it), a later one adds to its arguments."""
+        """A chat tool-call delta: a new call (it has an id) opens an item, a later one adds to
+        its arguments."""
         events, arguments = [], call.get("function", {}).get("arguments") or ""
         if "id" in call:
-            events += self._close_message(False)
-            index = self.calls[call["index"]] = len(self.items)
-            self.items.append({"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call["id"],
-                               "name": call["function"]["name"], "arguments": "", "status": "in_progress"})
-            events.append(self.event("response.output_item.added", output_index=index, item=dict(self.items[index])))
+            self.pending_logprobs = []  # the call's own tokens': a call has none
+            events += self._close(False)
+            index = self.open = self.calls[call["index"]] = len(self.items)
+            item = {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call["id"],
+                    "name": call["function"]["name"], "arguments": "", "status": "in_progress"}
+            self.items.append(item)
+            events.append(self.event("response.output_item.added", output_index=index, item=dict(item)))
         index = self.calls[call["index"]]
         if arguments:
             self.items[index]["arguments"] += arguments
@@ -375,17 +388,29 @@ class ResponseBuilder:
                                      output_index=index, delta=arguments))
         return events
 
-    def _close_call(self, index: int, incomplete: bool) -> list[dict[str, Any]]:
-        item = self.items[index]
+    def _close(self, incomplete: bool) -> list[dict[str, Any]]:
+        """The events that end the open item, if there is one."""
+        if self.open is None:
+            return []
+        index, item = self.open, self.items[self.open]
         item["status"] = "incomplete" if incomplete else "completed"
-        return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                           name=item["name"], arguments=item["arguments"]),
-                self.event("response.output_item.done", output_index=index, item=dict(item))]
+        if item["type"] == "function_call":
+            events = [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                 name=item["name"], arguments=item["arguments"])]
+        else:
+            where, part = self._where(), item["content"][0]
+            part["logprobs"] = part["logprobs"] + self.pending_logprobs
+            self.pending_logprobs = []
+            events = [self.event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
+                      self.event("response.content_part.done", **where, part=dict(part))]
+        self.open = None
+        return events + [self.event("response.output_item.done", output_index=index, item=dict(item))]
 
     def _usage(self, usage: Optional[dict[str, int]]) -> Optional[dict[str, Any]]:
         if usage is None:
             return None
-        return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": self.cached_tokens},
+        return {"input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
                 "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage["total_tokens"]}
 
@@ -397,6 +422,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         call = _Call(request, wanted.chat, chat=True)
     except APIError as exc:  # a chat field's error, named as the Responses body names it
         exc.param = _CHAT_NAMES.get(exc.param, exc.param)
+        for chat_name, name in (("max_tokens", "max_output_tokens"), ("response_format", "text.format")):
+            exc.message = exc.message.replace(f"'{chat_name}'", f"'{name}'")
         raise
     builder = ResponseBuilder(wanted, call)
     if wanted.stream:
@@ -438,14 +465,13 @@ async def get_response(request: web.Request) -> web.Response:
 
 async def delete_response(request: web.Request) -> web.Response:
     check_api_key(request)
-    store, response_id = request.app[RESPONSES], request.match_info["response_id"]
-    store.get(response_id)
-    del store.items[response_id]
+    response_id = request.match_info["response_id"]
+    request.app[RESPONSES].delete(response_id)
     return json_response({"id": response_id, "object": "response", "deleted": True})
 
 
 def add_routes(app: web.Application) -> None:
-    app[RESPONSES] = ResponseStore(app[CONFIG].server.max_stored_responses)
+    app[RESPONSES] = ResponseStore(parse_size(app[CONFIG].server.responses_memory))
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", get_response)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)

@@ -10,6 +10,7 @@ import urllib.request
 
 import aiohttp
 import openai
+import orjson
 import pytest
 
 from live_server import fail_step, start, start_server
@@ -22,7 +23,7 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "the weathe
 
 @pytest.fixture(scope="module")
 def server(model_dirs):
-    proc, url = start_server(model_dirs["llama"], "--served-model-name", "tiny", "--max-stored-responses", "4")
+    proc, url = start_server(model_dirs["llama"], "--served-model-name", "tiny", "--responses-memory", "8KiB")
     yield url
     proc.terminate()
     proc.wait(timeout=30)
@@ -124,11 +125,11 @@ def test_previous_response_id_goes_on_from_the_stored_conversation(client, serve
     unstored = client.responses.create(model="tiny", input="hi", store=False, max_output_tokens=2)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
-    # the server keeps its last 4 (--max-stored-responses)
-    ids = [client.responses.create(model="tiny", input="hi", max_output_tokens=1).id for _ in range(5)]
+    # the server keeps the newest within --responses-memory (8KiB: a few of these)
+    ids = [client.responses.create(model="tiny", input="hi", max_output_tokens=1).id for _ in range(10)]
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(ids[0])
-    assert [client.responses.retrieve(i).id for i in ids[1:]] == ids[1:]
+    assert [client.responses.retrieve(i).id for i in ids[-2:]] == ids[-2:]
 
 
 def test_a_named_function_is_called_and_its_output_read(client, no_spaces):
@@ -158,6 +159,55 @@ def test_a_named_function_is_called_and_its_output_read(client, no_spaces):
     assert [item.type for item in result.output] == ["message"] and result.output_text
 
 
+def test_text_then_calls_with_the_hermes_parser_are_items_one_after_another(model_dirs):
+    """With --tool-call-parser hermes, a reply of text and two <tool_call> blocks (the model
+    held to it by vLLM's choice) is a message item and two function_call items, each done
+    before the next is added, streamed and not; passed back as input with the calls'
+    outputs, they read as the chat's one assistant turn with its text and both calls."""
+    proc, url = start_server(model_dirs["llama"], "--served-model-name", "tiny", "--tool-call-parser", "hermes")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        block = '<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{}"}}}}\n</tool_call>'
+        reply = "Let me look." + block.format("Rome") + "\n" + block.format("Paris")
+        kwargs = dict(model="tiny", input="Weather?", tools=[WEATHER], temperature=0, max_output_tokens=200,
+                      extra_body={"structured_outputs": {"choice": [reply]}})
+        whole = client.responses.create(**kwargs)
+        assert [(i.type, getattr(i, "arguments", None)) for i in whole.output] == [
+            ("message", None), ("function_call", '{"city": "Rome"}'), ("function_call", '{"city": "Paris"}')]
+        assert whole.output_text == "Let me look." and whole.status == "completed"
+        with client.responses.stream(**kwargs) as stream:
+            events = list(stream)
+            streamed = stream.get_final_response()
+        assert [(i.type, i.id.split("_")[0], getattr(i, "arguments", None)) for i in streamed.output] == \
+            [(i.type, i.id.split("_")[0], getattr(i, "arguments", None)) for i in whole.output]
+        opened = []  # each item is done before the next is added
+        for e in events:
+            if e.type == "response.output_item.added":
+                assert not opened
+                opened.append(e.output_index)
+            elif e.type == "response.output_item.done":
+                assert opened == [e.output_index]
+                opened.pop()
+        outputs = [{"type": "function_call_output", "call_id": i.call_id, "output": "sunny"} for i in whole.output[1:]]
+        again = client.responses.create(model="tiny", tools=[WEATHER], tool_choice="none", max_output_tokens=1,
+                                        input=[{"role": "user", "content": "Weather?"},
+                                               *[i.model_dump() for i in whole.output], *outputs])
+        calls = [{"id": i.call_id, "type": "function", "function": {"name": i.name, "arguments": i.arguments}}
+                 for i in whole.output[1:]]
+        expected = chat(client, [{"role": "user", "content": "Weather?"},
+                                 {"role": "assistant", "content": "Let me look.", "tool_calls": calls},
+                                 *[{"role": "tool", "tool_call_id": o["call_id"], "content": "sunny"} for o in outputs]],
+                        tools=[{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}],
+                        tool_choice="none", max_tokens=1)
+        assert again.usage.input_tokens == expected.usage.prompt_tokens
+        going_on = client.responses.create(model="tiny", previous_response_id=whole.id, input=outputs, tools=[WEATHER],
+                                           tool_choice="none", max_output_tokens=1)
+        assert going_on.usage.input_tokens == expected.usage.prompt_tokens
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def test_text_format_holds_the_output_to_a_schema(client, no_spaces):
     reply = client.responses.create(model="tiny", input="Which city?", temperature=0, max_output_tokens=40,
                                     extra_body={"logit_bias": no_spaces},
@@ -175,6 +225,12 @@ def test_logprobs_come_when_included(client):
     assert [(lp.token, round(lp.logprob, 4), len(lp.top_logprobs)) for lp in got] == \
         [(lp.token, round(lp.logprob, 4), 2) for lp in want]
     assert client.responses.create(model="tiny", input="hello", max_output_tokens=2).output[0].content[0].logprobs == []
+    events = list(client.responses.create(model="tiny", input="hello", temperature=0, max_output_tokens=4, stream=True,
+                                          include=["message.output_text.logprobs"], top_logprobs=2))
+    added = [e for e in events if e.type == "response.content_part.added"]
+    assert added[0].part.logprobs == [] and added[0].part.text == ""
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in got]
 
 
 @pytest.mark.parametrize("body, param", [
@@ -183,6 +239,14 @@ def test_logprobs_come_when_included(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]}, "input"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
     ({"input": [{"role": "wizard", "content": "x"}]}, "input"),
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input"),
+    ({"input": [{"role": {"a": 1}, "content": "x"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
+    ({"parallel_tool_calls": "x"}, "parallel_tool_calls"),
+    ({"user": [1]}, "user"),
+    ({"max_output_tokens": "5"}, "max_output_tokens"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
@@ -213,13 +277,21 @@ def test_the_model_must_be_the_served_one(server):
     assert status == 404 and error["error"]["code"] == "model_not_found"
 
 
-def test_the_store_drops_its_oldest_and_keeps_none_at_zero():
-    store = ResponseStore(2)
+def test_the_store_keeps_the_newest_within_its_bytes():
+    """Counted as their JSON: the oldest (least lately read) go first; one larger than the
+    whole budget is not kept; a budget of 0 keeps none."""
+    size = len(orjson.dumps({"response": {"id": "0"}, "conversation": []}))
+    store = ResponseStore(3 * size)
     for i in range(3):
         store.put({"id": str(i)}, [])
-    store.get("1")  # read: now the newest
+    store.get("0")  # read: now the newest
     store.put({"id": "3"}, [])
-    assert list(store.items) == ["1", "3"]
+    assert list(store.items) == ["2", "0", "3"] and store.used == 3 * size
+    store.put({"id": "big"}, [{"role": "user", "content": "x" * 3 * size}])
+    assert "big" not in store.items and store.used == 3 * size
+    store.delete("2")
+    assert list(store.items) == ["0", "3"] and store.used == 2 * size
+    assert store.get("3") == ({"id": "3"}, [])
     empty = ResponseStore(0)
     empty.put({"id": "a"}, [])
     assert not empty.items
@@ -249,3 +321,13 @@ def test_a_stream_that_breaks_ends_with_an_error_event_and_a_failed_response(lla
     assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["code"] == "server_error"
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert stored == 404 and after == (200, "incomplete")
+
+
+def test_defaults_a_client_may_send_are_taken(server):
+    """tool_choice "auto" with no tools, reasoning settings all null, explicit nulls: a plain
+    text response (OpenAI takes them so)."""
+    status, reply = post(server + "/v1/responses", {"input": "hi", "tool_choice": "auto", "tools": [],
+                                                    "reasoning": {"effort": None, "summary": None}, "user": None,
+                                                    "store": None, "parallel_tool_calls": None, "max_output_tokens": 2})
+    assert status == 200 and reply["tool_choice"] == "auto" and reply["store"] is True
+    assert reply["parallel_tool_calls"] is True and [i["type"] for i in reply["output"]] == ["message"]
