@@ -369,6 +369,7 @@ class _Call:
         if self.echo and self.params.logprobs is not None:  # the echoed prompt's logprobs too
             self.params = dataclasses.replace(
                 self.params, prompt_logprobs=max(self.params.prompt_logprobs or 0, self.params.logprobs))
+        self.cached_tokens = [0] * len(self.prompts)  # per prompt, as the engine reports them
         self.num_choices = len(self.prompts) * self.params.n
         if self.num_choices > serving.server.max_choices:
             raise bad_request(f"{len(self.prompts)} prompts x n={self.params.n} is {self.num_choices} choices: "
@@ -399,7 +400,7 @@ class _Call:
         """The engine's deltas for every prompt as they come (observed for /metrics on the
         way through), their choices numbered across the batch."""
         n = self.params.n
-        streams = [self._observed(text, ids) for text, ids in self.prompts]
+        streams = [self._observed(p, text, ids) for p, (text, ids) in enumerate(self.prompts)]
         if len(streams) == 1:
             async with contextlib.aclosing(streams[0]) as deltas:
                 async for delta in deltas:
@@ -410,12 +411,13 @@ class _Call:
                 delta.outputs = [dataclasses.replace(s, index=p * n + s.index) for s in delta.outputs]
                 yield delta
 
-    async def _observed(self, text: Optional[str], ids: list[int]) -> AsyncIterator[RequestOutput]:
+    async def _observed(self, p: int, text: Optional[str], ids: list[int]) -> AsyncIterator[RequestOutput]:
         tracker = self.metrics.tracker(len(ids))
         generate = self.engine.generate(ids, self.params, prompt=text)
         async with contextlib.aclosing(generate) as deltas:
             async for delta in deltas:
                 tracker.observe(delta)
+                self.cached_tokens[p] = max(self.cached_tokens[p], delta.num_cached_tokens or 0)
                 if self.echo_only:  # the generated token left out
                     delta.outputs = [dataclasses.replace(s, text="", token_ids=[],
                                                          logprobs=None if s.logprobs is None else [])
@@ -479,12 +481,15 @@ class _Call:
             return None
         return [None if e is None else _top(e, self.prompt_logprobs_field) for e in delta.prompt_logprobs]
 
-    def usage(self, completion_tokens: int, prompt_index: Optional[int] = None) -> dict[str, int]:
-        """Usage of every prompt (or of the one at `prompt_index`) with these completion tokens."""
-        prompts = self.prompts if prompt_index is None else [self.prompts[prompt_index]]
-        prompt_tokens = sum(len(ids) for _, ids in prompts)
+    def usage(self, completion_tokens: int, prompt_index: Optional[int] = None) -> dict[str, Any]:
+        """Usage of every prompt (or of the one at `prompt_index`) with these completion tokens;
+        prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held, as OpenAI
+        reports them."""
+        which = range(len(self.prompts)) if prompt_index is None else [prompt_index]
+        prompt_tokens = sum(len(self.prompts[p][1]) for p in which)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens[p] for p in which)}}
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

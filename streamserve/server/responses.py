@@ -33,7 +33,6 @@ import orjson
 from aiohttp import web
 
 from streamserve.config import parse_size
-from streamserve.outputs import RequestOutput
 from streamserve.server.app import (CONFIG, SSE_HEADERS, _Call, _chunks, _with_keepalive, check_api_key,
                                     in_band_error, json_response, prepare, read_body)
 from streamserve.server.protocol import APIError, bad_request
@@ -272,7 +271,6 @@ class ResponseBuilder:
         self.open: Optional[int] = None  # the output index of the item being written
         self.pending_logprobs: list[dict[str, Any]] = []  # tokens' logprobs whose text has not come yet
         self.calls: dict[int, int] = {}  # a chat tool call's index -> its item's output index
-        self.cached_tokens = 0
         self.response: dict[str, Any] = {
             "id": "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()),
             "status": "in_progress", "background": False, "error": None, "incomplete_details": None,
@@ -292,12 +290,6 @@ class ResponseBuilder:
 
     def snapshot(self) -> dict[str, Any]:
         return {**self.response, "output": [dict(item) for item in self.items]}
-
-    async def counted(self, outputs: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
-        """The engine's deltas, noting the prompt tokens the prefix cache held (for usage)."""
-        async for delta in outputs:
-            self.cached_tokens = delta.num_cached_tokens or self.cached_tokens
-            yield delta
 
     async def events(self, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
         """The stream's events; at the end self.response is the whole response."""
@@ -410,7 +402,8 @@ class ResponseBuilder:
         if usage is None:
             return None
         return {"input_tokens": usage["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": self.cached_tokens, "cache_write_tokens": 0},
+                "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                         "cache_write_tokens": 0},
                 "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage["total_tokens"]}
 
@@ -430,7 +423,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         response = await _stream(request, call, builder)
     else:
         async with contextlib.aclosing(call.outputs()) as outputs:
-            async for _ in builder.events(_chunks(call, builder.counted(outputs))):
+            async for _ in builder.events(_chunks(call, outputs)):
                 pass
         response = json_response(builder.response)
     if wanted.store and builder.response["status"] in ("completed", "incomplete"):
@@ -445,7 +438,7 @@ async def _stream(request: web.Request, call: _Call, builder: ResponseBuilder) -
     async with contextlib.aclosing(call.outputs()) as outputs, \
             contextlib.aclosing(_with_keepalive(outputs, call.keepalive, response)) as kept:
         try:
-            async for event in builder.events(_chunks(call, builder.counted(kept))):
+            async for event in builder.events(_chunks(call, kept)):
                 await send(event)
         except ConnectionResetError:
             return response  # the client left: closing `outputs` aborts the request

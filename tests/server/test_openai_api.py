@@ -771,3 +771,17 @@ def test_tool_choice_auto_with_the_hermes_parser(model_dirs):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(client):
+    """prompt_tokens_details.cached_tokens, as OpenAI reports them: none the first time, the
+    prompt's whole cached blocks (16 tokens each) the second, streamed or not."""
+    messages = [{"role": "user", "content": "a prompt that no other test sends, " * 6}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1).usage
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1).usage
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=1, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert first.prompt_tokens_details.cached_tokens == 0
+    cached = again.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.prompt_tokens and cached % 16 == 0
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
