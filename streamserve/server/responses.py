@@ -14,7 +14,7 @@ Items are written one at a time: each is done before the next is added. Response
 (`store`, true by default, as OpenAI has it) in memory, as JSON, the newest within
 --responses-memory: GET /v1/responses/{id} returns one, DELETE forgets it, and
 `previous_response_id` goes on from one's conversation (its input and output; not its
-instructions, as OpenAI has it). What this server cannot do is refused with a 400: inputs
+instructions, as OpenAI has it), and GET /v1/responses/{id}/input_items lists its input. What this server cannot do is refused with a 400: inputs
 other than text, function calls and their outputs; tools other than functions; background
 runs, reasoning settings, conversations, prompt templates and truncation "auto". The usage
 counts the prompt tokens read from the prefix cache as cached_tokens; there is no separate
@@ -50,15 +50,16 @@ _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "develop
 
 class ResponseStore:
     """The newest stored responses within `budget` bytes (oldest dropped first): each one's
-    object and the conversation it ends (chat messages: its input, then its output), kept as
-    JSON, so what they hold is what they cost."""
+    object, the conversation it ends (chat messages: its input, then its output) and its input
+    items, kept as JSON, so what they hold is what they cost."""
 
     def __init__(self, budget: int) -> None:
         self.budget, self.used = budget, 0
         self.items: OrderedDict[str, bytes] = OrderedDict()
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        blob = orjson.dumps({"response": response, "conversation": conversation})
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]],
+            input_items: list[dict[str, Any]]) -> None:
+        blob = orjson.dumps({"response": response, "conversation": conversation, "input_items": input_items})
         if len(blob) > self.budget:
             return
         self.items[response["id"]] = blob
@@ -66,14 +67,14 @@ class ResponseStore:
         while self.used > self.budget:
             self.used -= len(self.items.popitem(last=False)[1])
 
-    def get(self, response_id: str, param: Optional[str] = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    def get(self, response_id: str, param: Optional[str] = None) -> dict[str, Any]:
+        """{"response", "conversation", "input_items"} of a stored response."""
         blob = self.items.get(response_id)
         if blob is None:
             raise APIError(404, f"no stored response with id {response_id!r} (this server keeps the newest "
                            "within --responses-memory, in memory)", param=param, type="not_found_error")
         self.items.move_to_end(response_id)
-        stored = orjson.loads(blob)
-        return stored["response"], stored["conversation"]
+        return orjson.loads(blob)
 
     def delete(self, response_id: str) -> None:
         self.get(response_id)
@@ -142,6 +143,32 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             raise bad_request(f"{where}: this server reads input items of type 'message', 'function_call' and "
                               f"'function_call_output', not {kind!r}", "input")
     return messages
+
+
+def input_items(items: Any) -> list[dict[str, Any]]:
+    """The input (checked by input_messages) as the items GET .../input_items lists, each
+    with an id (the client's, where it gave one)."""
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    listed = []
+    for item in items:
+        kind = item.get("type", "message")
+        given = item.get("id") if isinstance(item.get("id"), str) else None
+        if kind == "message":
+            text, assistant = _text_parts(item["content"], "input"), item["role"] == "assistant"
+            part = {"type": "output_text", "text": text, "annotations": []} if assistant else \
+                {"type": "input_text", "text": text}
+            listed.append({"type": "message", "id": given or "msg_" + uuid.uuid4().hex, "role": item["role"],
+                           "status": "completed", "content": [part]})
+        elif kind == "function_call":
+            listed.append({"type": "function_call", "id": given or "fc_" + uuid.uuid4().hex,
+                           "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"],
+                           "status": "completed"})
+        else:
+            listed.append({"type": "function_call_output", "id": given or "fco_" + uuid.uuid4().hex,
+                           "call_id": item["call_id"], "output": _text_parts(item["output"], "input"),
+                           "status": "completed"})
+    return listed
 
 
 def _tools(body: dict[str, Any]) -> dict[str, Any]:
@@ -234,12 +261,13 @@ class ResponsesRequest:
         if previous is not None:
             if not isinstance(previous, str):
                 raise bad_request("'previous_response_id' must be a string", "previous_response_id")
-            earlier = store.get(previous, "previous_response_id")[1]
+            earlier = store.get(previous, "previous_response_id")["conversation"]
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise bad_request("'instructions' must be a string", "instructions")
         # the conversation this response goes on from, then its output, is what a later one reads
         self.conversation = earlier + input_messages(body.get("input"))
+        self.input_items = input_items(body["input"])
         system = [{"role": "system", "content": instructions}] if instructions else []
         chat = {"model": body.get("model"), "messages": system + self.conversation, "stream": True,
                 "stream_options": {"include_usage": True}, **_tools(body)}
@@ -427,7 +455,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                 pass
         response = json_response(builder.response)
     if wanted.store and builder.response["status"] in ("completed", "incomplete"):
-        store.put(builder.response, builder.conversation())
+        store.put(builder.response, builder.conversation(), wanted.input_items)
     return response
 
 
@@ -453,7 +481,31 @@ async def _stream(request: web.Request, call: _Call, builder: ResponseBuilder) -
 
 async def get_response(request: web.Request) -> web.Response:
     check_api_key(request)
-    return json_response(request.app[RESPONSES].get(request.match_info["response_id"])[0])
+    return json_response(request.app[RESPONSES].get(request.match_info["response_id"])["response"])
+
+
+async def list_input_items(request: web.Request) -> web.Response:
+    """A stored response's input items, a page at a time: `order` (desc, the default, or
+    asc), `limit` (1-100, 20), `after` / `before` an item's id."""
+    check_api_key(request)
+    items = request.app[RESPONSES].get(request.match_info["response_id"])["input_items"]
+    query = request.query
+    if query.get("order", "desc") not in ("asc", "desc"):
+        raise bad_request("'order' must be 'asc' or 'desc'", "order")
+    if query.get("order", "desc") == "desc":
+        items.reverse()
+    limit = query.get("limit", "20")
+    if not (limit.isdigit() and 1 <= int(limit) <= 100):
+        raise bad_request("'limit' must be an integer in [1, 100]", "limit")
+    ids = [item["id"] for item in items]
+    for key in ("after", "before"):
+        if key in query and query[key] not in ids:
+            raise bad_request(f"'{key}': no input item {query[key]!r} in this response", key)
+    start = ids.index(query["after"]) + 1 if "after" in query else 0
+    end = ids.index(query["before"]) if "before" in query else len(items)
+    page = items[start:min(end, start + int(limit))]
+    return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                          "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < end})
 
 
 async def delete_response(request: web.Request) -> web.Response:
@@ -467,4 +519,5 @@ def add_routes(app: web.Application) -> None:
     app[RESPONSES] = ResponseStore(parse_size(app[CONFIG].server.responses_memory))
     app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_get("/v1/responses/{response_id}/input_items", list_input_items)
     app.router.add_delete("/v1/responses/{response_id}", delete_response)

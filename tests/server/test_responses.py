@@ -280,21 +280,49 @@ def test_the_model_must_be_the_served_one(server):
 def test_the_store_keeps_the_newest_within_its_bytes():
     """Counted as their JSON: the oldest (least lately read) go first; one larger than the
     whole budget is not kept; a budget of 0 keeps none."""
-    size = len(orjson.dumps({"response": {"id": "0"}, "conversation": []}))
+    size = len(orjson.dumps({"response": {"id": "0"}, "conversation": [], "input_items": []}))
     store = ResponseStore(3 * size)
     for i in range(3):
-        store.put({"id": str(i)}, [])
+        store.put({"id": str(i)}, [], [])
     store.get("0")  # read: now the newest
-    store.put({"id": "3"}, [])
+    store.put({"id": "3"}, [], [])
     assert list(store.items) == ["2", "0", "3"] and store.used == 3 * size
-    store.put({"id": "big"}, [{"role": "user", "content": "x" * 3 * size}])
+    store.put({"id": "big"}, [{"role": "user", "content": "x" * 3 * size}], [])
     assert "big" not in store.items and store.used == 3 * size
     store.delete("2")
     assert list(store.items) == ["0", "3"] and store.used == 2 * size
-    assert store.get("3") == ({"id": "3"}, [])
+    assert store.get("3") == {"response": {"id": "3"}, "conversation": [], "input_items": []}
     empty = ResponseStore(0)
-    empty.put({"id": "a"}, [])
+    empty.put({"id": "a"}, [], [])
     assert not empty.items
+
+
+def test_input_items_list_a_responses_own_input_a_page_at_a_time(client, server):
+    reply = client.responses.create(model="tiny", max_output_tokens=1, input=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call", "id": "fc_mine", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}])
+    page = client.responses.input_items.list(reply.id)  # newest first
+    assert [(i.type, getattr(i, "role", None)) for i in page.data] == [
+        ("function_call_output", None), ("function_call", None), ("message", "user"), ("message", "developer")]
+    assert page.data[1].id == "fc_mine" and page.data[0].output == "sunny" and page.data[2].content[0].text == "hi"
+    ids = [i.id for i in page.data][::-1]
+    first = client.responses.input_items.list(reply.id, order="asc", limit=2)
+    assert [i.id for i in first.data] == ids[:2] and first.has_more and first.last_id == ids[1]
+    rest = client.responses.input_items.list(reply.id, order="asc", after=ids[1])
+    assert [i.id for i in rest.data] == ids[2:] and not rest.has_more
+    assert [i.id for i in client.responses.input_items.list(reply.id, order="asc", limit=100)] == ids  # the SDK pages
+    later = client.responses.create(model="tiny", previous_response_id=reply.id, input="and?", max_output_tokens=1)
+    assert [i.content[0].text for i in client.responses.input_items.list(later.id).data] == ["and?"]  # its own only
+    for query, param in (("?limit=0", "limit"), ("?order=up", "order"), ("?after=nope", "after")):
+        with urllib.request.urlopen(server + f"/v1/responses/{reply.id}/input_items") as r:
+            assert r.status == 200
+        try:
+            urllib.request.urlopen(server + f"/v1/responses/{reply.id}/input_items{query}")
+            raise AssertionError(query)
+        except urllib.error.HTTPError as e:
+            assert e.code == 400 and json.loads(e.read())["error"]["param"] == param
 
 
 def test_a_stream_that_breaks_ends_with_an_error_event_and_a_failed_response(llama_dir):
