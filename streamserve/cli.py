@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import typing
 from typing import Any, Optional
@@ -90,12 +91,20 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     try:
-        return asyncio.run(_serve(server, model_name, lambda: Config.from_kwargs(**kwargs)))
+        rc, loading = asyncio.run(_serve(server, model_name, lambda: Config.from_kwargs(**kwargs)))
     except KeyboardInterrupt:
         return 0
+    if loading:  # stopped while the engine thread loads (in native code): the interpreter's
+        # teardown would abort on that thread ("terminate called without an active exception")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
 
 
-async def _serve(server: ServerConfig, model_name: str, make_config) -> int:
+async def _serve(server: ServerConfig, model_name: str, make_config) -> tuple[int, bool]:
+    """(exit status, whether the engine was still loading)."""
     import asyncio
     import logging
     import socket
@@ -112,7 +121,7 @@ async def _serve(server: ServerConfig, model_name: str, make_config) -> int:
     except OSError as exc:
         print(f"streamserve: error: cannot listen on {server.host}:{server.port}: {exc.strerror or exc}",
               file=sys.stderr)
-        return 2
+        return 2, False
     engine = AsyncEngine(make_config, freeze_heap=True)  # this process serves it to the end
     runner = app_runner(engine, server, model_name)
     await runner.setup()
@@ -126,17 +135,18 @@ async def _serve(server: ServerConfig, model_name: str, make_config) -> int:
                  server.host, sock.getsockname()[1])
         await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
-            return 0  # stopped while loading: nothing in flight
+            log.info("stopped while loading the model")
+            return 0, True
         if ready.exception() is not None:
             exc = ready.exception()
             print(f"streamserve: error: {exc.__cause__ or exc}", file=sys.stderr)
-            return 2
+            return 2, False
         await stopped  # serve until SIGTERM or SIGINT
         await site.stop()  # no new connections
         left = await drain(runner.app, server.shutdown_timeout, signals.cut)
         if left:
             log.warning("cutting off the %d requests still running", engine.abort_all("the server is shutting down"))
-        return 0
+        return 0, False
     finally:
         ready.cancel()
         stopped.cancel()

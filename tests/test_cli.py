@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 from typing import NamedTuple
 
 import aiohttp
 
-from live_server import start_server
+from live_server import held_config, start_server
 from streamserve import LLM, SamplingParams
 from streamserve.cli import build_parser, config_kwargs
 from streamserve.config import Config
@@ -194,3 +196,19 @@ def test_a_second_sigterm_cuts_the_requests_off(llama_dir):
     assert run.closed.type == aiohttp.WSMsgType.CLOSE and run.closed.data == aiohttp.WSCloseCode.GOING_AWAY
     assert "SIGTERM again: cutting off the requests in flight" in run.log
     assert "cutting off the 2 requests still running" in run.log
+
+
+def test_a_signal_while_the_model_loads_stops_at_once(llama_dir):
+    """SIGTERM before the model is ready: nothing is in flight, so the server stops at once
+    and says the engine was still loading (the command then exits without the interpreter's
+    teardown, which would abort on the loading thread)."""
+    from streamserve.cli import _serve
+    from streamserve.config import ServerConfig
+
+    release = threading.Event()  # never set: the load stays held (a daemon thread, gone at exit)
+
+    async def main():
+        asyncio.get_running_loop().call_later(0.5, os.kill, os.getpid(), signal.SIGTERM)
+        return await _serve(ServerConfig(port=0), "tiny", held_config(llama_dir, release, 3600))
+
+    assert asyncio.run(main()) == (0, True)
