@@ -111,7 +111,7 @@ async def _serve(server: ServerConfig, model_name: str, make_config) -> tuple[in
 
     from aiohttp import web
 
-    from streamserve.frontend.async_engine import AsyncEngine, EngineDeadError
+    from streamserve.frontend.async_engine import AsyncEngine
     from streamserve.server.app import app_runner, drain
 
     log = logging.getLogger("streamserve")

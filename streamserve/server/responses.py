@@ -12,13 +12,13 @@ error event and response.failed when it broke).
 
 Items are written one at a time: each is done before the next is added. Responses are stored
 (`store`, true by default, as OpenAI has it) in memory, as JSON, the newest within
---responses-memory: GET /v1/responses/{id} returns one, DELETE forgets it, and
-`previous_response_id` goes on from one's conversation (its input and output; not its
-instructions, as OpenAI has it), and GET /v1/responses/{id}/input_items lists its input. What this server cannot do is refused with a 400: inputs
-other than text, function calls and their outputs; tools other than functions; background
-runs, reasoning settings, conversations, prompt templates and truncation "auto". The usage
-counts the prompt tokens read from the prefix cache as cached_tokens; there is no separate
-account of tokens written to it (cache_write_tokens is 0).
+--responses-memory: GET /v1/responses/{id} returns one, GET .../input_items lists its input,
+DELETE forgets it, and `previous_response_id` goes on from one's conversation (its input and
+output; not its instructions, as OpenAI has it). What this server cannot do is refused with a
+400: inputs other than text, function calls and their outputs; tools other than functions;
+background runs, reasoning settings, conversations, prompt templates and truncation "auto".
+The usage counts the prompt tokens read from the prefix cache as cached_tokens; there is no
+separate account of tokens written to it (cache_write_tokens is 0).
 """
 
 from __future__ import annotations
