@@ -51,7 +51,7 @@ def build_tokenizer(path: str) -> None:
 
 
 def _config(arch: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     kwargs = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -68,14 +68,17 @@ def _config(arch: str, **overrides):
         kwargs.update(tie_word_embeddings=False, use_sliding_window=False)
     elif arch == "qwen3":
         kwargs.update(tie_word_embeddings=True, head_dim=32, use_sliding_window=False)
+    elif arch == "phi3":  # its checkpoint stores q/k/v and gate/up fused
+        kwargs.update(tie_word_embeddings=False, sliding_window=None, original_max_position_embeddings=512)
     else:
         raise ValueError(arch)
     kwargs.update(overrides)
-    kind = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    kind = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+            "phi3": Phi3Config}
     return kind[arch](**kwargs)
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 def build_model(path: str, arch: str, seed: int = 0, max_shard_size: Optional[str] = None,

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) as one module, for a flat token batch.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) as one module, for a flat token batch.
 
 Inputs are one flat batch of tokens from many requests (no padding between
 them). Attention is whatever callable the runner passes in for the step: it
@@ -6,7 +6,8 @@ writes this layer's K/V into the paged cache and attends over it, so the model
 itself holds no per-step state.
 
 Weights are fused where the checkpoint keeps them apart: q/k/v into one
-`qkv_proj` and gate/up into one `gate_up_proj`, so a layer is four GEMMs.
+`qkv_proj` and gate/up into one `gate_up_proj`, so a layer is four GEMMs (Phi-3's
+checkpoints store them fused so already).
 """
 
 from __future__ import annotations
@@ -285,7 +286,11 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(dest.shape)}")
             dest.copy_(tensor)
-            loaded.add(f"{target}#{offset_rows}")
+            fused = target.split(".")[-2]
+            if offset_rows is None and fused in ("qkv_proj", "gate_up_proj"):  # stored fused (Phi-3): every shard
+                loaded.update(f"{target}#{shard}" for shard in range(len(self.shard_sizes(fused))))
+            else:
+                loaded.add(f"{target}#{offset_rows}")
         embedding = self.embed_tokens.weight
         if stored_head is not None and not torch.equal(stored_head.to(embedding.dtype), embedding.data):
             logger.warning("the checkpoint ties its head to the embedding but stores a different "

@@ -10,6 +10,7 @@ _ARCHITECTURES = {
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "Phi3ForCausalLM": (False, False),  # Llama's layers, its q/k/v and gate/up stored fused
 }
 
 
@@ -22,6 +23,10 @@ def build_model(hf_config: dict) -> LlamaForCausalLM:
     act = hf_config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):  # the kernels (C, Triton) all compute SiLU-and-mul
         raise ValueError(f"hidden_act {act!r} is not supported: streamserve runs SiLU-gated MLPs")
+    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
+    partial = hf_config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
+    if partial != 1.0:  # (Phi-4-mini's 0.75) the kernels rotate every dimension of a head
+        raise ValueError(f"partial_rotary_factor {partial} is not supported: streamserve rotates whole heads")
     archs = hf_config.get("architectures") or []
     for name in archs:
         if name in _ARCHITECTURES:

@@ -100,6 +100,40 @@ def test_an_activation_other_than_silu_is_refused(tmp_path):
         LLM(path, dtype="float32", kv_cache_memory="32MiB")
 
 
+def test_rotaries_the_kernels_do_not_compute_are_refused(tmp_path):
+    """Phi-4-mini's rotary covers 3/4 of each head, Phi-3's 128k models scale theirs by
+    'longrope': refused (the kernels rotate whole heads, scaled as Llama 3 or linearly), not
+    run wrong; Phi-3's fused checkpoint tensors with one missing are named."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tiny_models import build_model
+
+    path = build_model(str(tmp_path / "partial"), "phi3")
+    with open(path + "/config.json") as f:
+        config = json.load(f)
+    config["rope_parameters"]["partial_rotary_factor"] = 0.75
+    with open(path + "/config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
+        LLM(path, dtype="float32", kv_cache_memory="32MiB")
+    config["rope_parameters"]["partial_rotary_factor"] = 1.0
+    config["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    with open(path + "/config.json", "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="rope scaling 'longrope' is not supported"):  # Phi-3's 128k models
+        LLM(path, dtype="float32", kv_cache_memory="32MiB")
+    config["rope_scaling"] = None
+    with open(path + "/config.json", "w") as f:
+        json.dump(config, f)
+    weights = load_file(path + "/model.safetensors")
+    del weights["model.layers.1.mlp.gate_up_proj.weight"]
+    save_file(weights, path + "/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"checkpoint lacks 1 tensors, e.g. \['layers.1.mlp.gate_up_proj.weight'\]"):
+        LLM(path, dtype="float32", kv_cache_memory="32MiB")
+
+
 def test_a_tied_checkpoint_with_its_own_head_reads_that_head(tmp_path):
     """tie_word_embeddings, but the checkpoint stores an lm_head.weight of its own: read
     untied, as transformers 5 does (the embedding used to serve as the head regardless)."""
