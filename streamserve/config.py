@@ -48,6 +48,22 @@ def parse_size(value: int | str) -> int:
                          "(examples: 4GiB, 512MiB, 2000000000)") from None
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template from a file's path or given inline, checked to be Jinja that parses."""
+    import jinja2
+
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            value = f.read()
+    elif "{" not in value:
+        raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+    try:  # as transformers compiles it
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(value)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template does not parse as Jinja: {exc} (line {exc.lineno})") from None
+    return value
+
+
 @dataclass
 class ModelConfig:
     """What model to run and how to read it."""
@@ -59,6 +75,9 @@ class ModelConfig:
         "help": "the .gguf file to load from the --model directory"})
     tokenizer: Optional[str] = field(default=None, metadata={
         "help": "tokenizer directory (default: the model's)"})
+    chat_template: Optional[str] = field(default=None, metadata={
+        "help": "a Jinja chat template, or a file holding one, in place of the tokenizer's (for a "
+                "model that ships none, or to change it; as vLLM's --chat-template)"})
     dtype: str = field(default="auto", metadata={
         "help": "weight and activation dtype: auto (the checkpoint's), float32, bfloat16, float16"})
     max_model_len: Optional[int] = field(default=None, metadata={
@@ -84,6 +103,8 @@ class ModelConfig:
             with open(os.path.join(self.model, "config.json"), encoding="utf-8") as f:
                 self.hf_config = json.load(f)
         self.tokenizer = self.tokenizer or self.model
+        if self.chat_template is not None:
+            self.chat_template = read_chat_template(self.chat_template)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {self.load_format!r} must be auto or dummy")
         self.torch_dtype = self._resolve_dtype()

@@ -28,7 +28,7 @@ class LLM:
     def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
         with collector_paused():  # heap.py: the collector's passes over what a load builds
             self.config = Config.from_kwargs(model=model, **kwargs)
-            self.tokenizer = load_tokenizer(self.config.model.tokenizer)
+            self.tokenizer = load_tokenizer(self.config.model.tokenizer, self.config.model.chat_template)
             self.renderer = Renderer(self.tokenizer)
             self.engine_core = EngineCore(self.config, self.tokenizer)
         self.input_processor = InputProcessor(self.config, self.renderer, self.engine_core.vocab_size)

@@ -170,7 +170,7 @@ class AsyncEngine:
         try:
             with collector_paused():
                 self.config = config = self._make_config()
-                self.tokenizer = load_tokenizer(config.model.tokenizer)
+                self.tokenizer = load_tokenizer(config.model.tokenizer, config.model.chat_template)
                 self.renderer = Renderer(self.tokenizer)
                 self.output_processor = OutputProcessor(self.tokenizer)
                 core = EngineCore(config, self.tokenizer)

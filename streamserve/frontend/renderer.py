@@ -15,11 +15,15 @@ from streamserve.sampling_params import ParamError
 Message = dict[str, Any]
 
 
-def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str, chat_template: Optional[str] = None) -> PreTrainedTokenizerBase:
+    """The tokenizer at `path`, with `chat_template` (a template's text) in place of its own."""
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, config=tokenizer_choice_config(path))
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, config=tokenizer_choice_config(path))
     except Exception as exc:  # transformers raises many kinds here; say what and where
         raise ValueError(f"cannot load a tokenizer from {path!r}: {exc}") from exc
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def tokenizer_choice_config(path: str) -> Optional[PretrainedConfig]:
@@ -71,7 +75,8 @@ class Renderer:
         if not messages:
             raise ValueError("messages is empty: give at least one message")
         if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("this model's tokenizer has no chat template; use a plain prompt")
+            raise ValueError("this model's tokenizer has no chat template; use a plain prompt, or start with "
+                             "--chat-template (LLM(chat_template=...))")
         if continue_final_message and add_generation_prompt:
             raise ParamError("continue_final_message goes on with the last message: it cannot also "
                              "add a generation prompt (set add_generation_prompt to false)",

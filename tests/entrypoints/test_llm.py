@@ -563,3 +563,35 @@ def test_the_generation_configs_other_eos_ids_stop_a_request(llm, llama_dir, tmp
     assert len(several.generate(prompt, ignoring, use_tqdm=False)[0].outputs[0].token_ids) == 6
     with_min = SamplingParams(max_tokens=6, temperature=0, min_tokens=2)
     assert several.generate(prompt, with_min, use_tqdm=False)[0].outputs[0].token_ids[0] != first
+
+
+def test_a_chat_template_of_ones_own_serves_a_model_that_has_none(tmp_path, llama_dir):
+    """A tokenizer without a template: chats are refused, naming --chat-template; given one
+    (a file, or inline), it renders the conversation. A template that does not parse, or a
+    value that is neither a file nor a template, is refused when the engine is configured."""
+    from streamserve.config import Config
+
+    bare = str(tmp_path / "bare")
+    shutil.copytree(llama_dir, bare)
+    with open(bare + "/tokenizer_config.json") as f:
+        config = json.load(f)
+    config.pop("chat_template", None)
+    with open(bare + "/tokenizer_config.json", "w") as f:
+        json.dump(config, f)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        (tmp_path / "bare" / name).unlink(missing_ok=True)
+    conversation = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="has no chat template.*--chat-template"):
+        LLM(bare, dtype="float32", kv_cache_memory="8MiB").chat(conversation, use_tqdm=False)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    for given in (str(path), template):
+        llm = LLM(bare, dtype="float32", kv_cache_memory="8MiB", chat_template=given)
+        assert llm.renderer.render_chat(conversation) == "<user>hi<assistant>"
+        out = llm.chat(conversation, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+        assert out.prompt_token_ids == llm.get_tokenizer().encode("<user>hi<assistant>", add_special_tokens=False)
+    with pytest.raises(ValueError, match="does not parse as Jinja"):
+        Config.from_kwargs(model=bare, chat_template="{% for m in messages %}")
+    with pytest.raises(ValueError, match="is neither a file nor a Jinja template"):
+        Config.from_kwargs(model=bare, chat_template=str(tmp_path / "missing.jinja"))
