@@ -3,8 +3,8 @@
 A GGUF file is converted once, into the cache, so later starts load safetensors in
 seconds. Tensors are dequantized with the `gguf` package (F32, F16, BF16, Q8_0, Q4_0,
 Q4_1 and the other types it reads), llama.cpp's tensor names are mapped to Hugging
-Face's, and the row permutation that llama.cpp's converter applies to Llama's Q and K
-projections is undone. Config comes from the GGUF metadata; the tokenizer and its chat
+Face's (Phi-3's fused attn_qkv and ffn_up to its fused qkv_proj and gate_up_proj), and the
+row permutation that llama.cpp's converter applies to Llama's Q and K projections is undone. Config comes from the GGUF metadata; the tokenizer and its chat
 template from the GGUF's tokenizer fields (through transformers' GGUF tokenizer reader).
 """
 
@@ -29,7 +29,11 @@ ARCHS = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
+    "phi3": ("Phi3ForCausalLM", "phi3", False),
 }
+# GGUF architectures whose ffn_up holds the gate and up projections fused (gate first), as
+# their Hugging Face checkpoints' gate_up_proj does; their attn_qkv holds q, k and v
+_FUSED_UP = {"phi3"}
 
 # llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_TENSORS = {
@@ -37,7 +41,7 @@ _LAYER_TENSORS = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
+    "ffn_norm": "post_attention_layernorm", "attn_qkv": "self_attn.qkv_proj",
 }
 _GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
                    "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
@@ -92,6 +96,9 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype, vocab_size: 
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    window = get("attention.sliding_window")
+    if window:  # (Phi-3's 2047) full attention is exact within it: it caps the context
+        config["sliding_window"] = window
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
@@ -106,12 +113,13 @@ def reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     parts = name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
+        piece = "mlp.gate_up_proj" if parts[2] == "ffn_up" and arch in _FUSED_UP else _LAYER_TENSORS[parts[2]]
+        return f"model.layers.{parts[1]}.{piece}.{parts[3]}"
     raise ValueError(f"GGUF tensor {name!r} has no place in a Llama-family model")
 
 
@@ -168,6 +176,9 @@ def _write_conversion(gguf_path: str, tmp_dir: str, dtype: torch.dtype) -> None:
     if "rope_freqs.weight" in names:
         raise ValueError("this GGUF carries rope_freqs (Llama-3.1-style rope scaling), which "
                          "streamserve does not read from GGUF yet; use the Hugging Face checkpoint")
+    if "rope_factors_long.weight" in names:
+        raise ValueError("this GGUF carries rope_factors_long (Phi-3's 128k LongRoPE scaling), which "
+                         "streamserve does not support; its 4k-context models run")
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     config = hf_config(meta, tied="output.weight" not in names, dtype=dtype,
                        vocab_size=None if embedding is None else int(embedding.shape[-1]))
@@ -176,7 +187,7 @@ def _write_conversion(gguf_path: str, tmp_dir: str, dtype: torch.dtype) -> None:
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantizedWeight] = {}
     for t in tqdm(reader.tensors, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor"):
-        name = hf_name(t.name)
+        name = hf_name(t.name, meta["general.architecture"])
 
         def unpermuted(rows: np.ndarray) -> np.ndarray:
             if permuted and name.endswith("q_proj.weight"):

@@ -239,6 +239,8 @@ class LlamaForCausalLM(nn.Module):
                 names = ["model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"]
             else:
                 names = [f"model.{prefix}.{piece}.weight" for piece in pieces.get(last, [last])]
+                if not all(n in weights for n in names):  # stored fused (Phi-3)
+                    names = [f"model.{name}.weight"]
             if not all(n in weights for n in names):
                 continue
             stacked = QuantizedWeight.stacked([weights[n] for n in names])

@@ -35,9 +35,10 @@ def every_matrix(qtype) -> dict:
     return {piece: (cpp, Q.F32 if "norm" in piece else qtype) for piece, (cpp, _) in _NAMES.items()}
 
 
-def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, arch: str = "llama") -> None:
-    """As llama.cpp's convert_hf_to_gguf.py writes `arch` ("llama" or "qwen2": the latter with
-    its biases, no q/k permutation and no vocab_size key)."""
+def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, arch: str = "llama",
+               sliding_window: int = 0) -> None:
+    """As llama.cpp's convert_hf_to_gguf.py writes `arch` ("llama", "qwen2": with its biases,
+    no q/k permutation and no vocab_size key; or "phi3", its q/k/v and gate/up fused)."""
     from safetensors.numpy import load_file
     from transformers import AutoTokenizer
 
@@ -55,6 +56,8 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if arch == "llama":
         writer.add_vocab_size(cfg["vocab_size"])
+    if sliding_window:
+        writer.add_sliding_window(sliding_window)
     tok = AutoTokenizer.from_pretrained(hf_dir)
     vocab = json.loads(tok.backend_tokenizer.to_str())["model"]
     tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
@@ -72,6 +75,8 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     add(writer, "token_embd.weight", tensors["model.embed_tokens.weight"], embedding)
     writer.add_tensor("output_norm.weight", tensors["model.norm.weight"])
+    if not cfg.get("tie_word_embeddings"):
+        add(writer, "output.weight", tensors["lm_head.weight"], Q.Q8_0)
     for i in range(cfg["num_hidden_layers"]):
         for hf_piece, (cpp_piece, qtype) in types.items():
             w = tensors[f"model.layers.{i}.{hf_piece}.weight"].astype(np.float32)
@@ -307,3 +312,26 @@ def test_a_qwen2_gguf_as_llama_cpp_writes_it_matches_transformers(tmp_path):
     path = str(tmp_path / "qwen2.gguf")
     write_gguf(hf_dir, path, every_matrix(Q.F32), arch="qwen2")
     check_parity(LLM(path, dtype="float32", kv_cache_memory="16MiB"), hf_dir, num_prompts=3, new_tokens=8)
+
+
+def test_a_phi3_gguf_with_its_fused_tensors_matches_transformers(tmp_path):
+    """llama.cpp's phi3 GGUF keeps q/k/v in one attn_qkv and gate/up in one ffn_up (gate
+    first): read into the fused parameters, their blocks kept for small steps as they are;
+    its sliding window caps the context (full attention is exact within it)."""
+    from streamserve.models.layers import Linear
+    from tiny_models import build_model
+
+    hf_dir = build_model(str(tmp_path / "phi3"), "phi3", seed=5)
+    path = str(tmp_path / "phi3.gguf")
+    types = {"self_attn.qkv_proj": ("attn_qkv", Q.Q8_0), "self_attn.o_proj": ("attn_output", Q.Q4_1),
+             "mlp.gate_up_proj": ("ffn_up", Q.Q4_1), "mlp.down_proj": ("ffn_down", Q.Q8_0),
+             "input_layernorm": ("attn_norm", Q.F32), "post_attention_layernorm": ("ffn_norm", Q.F32)}
+    write_gguf(hf_dir, path, types, arch="phi3", sliding_window=256)
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", max_num_seqs=1)
+    assert llm.engine_core.config.model.max_model_len == 256
+    runner = llm.engine_core.model_runner
+    kept = {name: m.quantized.kind for name, m in runner.model.named_modules()
+            if isinstance(m, Linear) and m.quantized is not None}
+    if runner.c_kernels is not None:
+        assert kept["layers.0.self_attn.qkv_proj"] == "q8_0" and kept["layers.1.mlp.gate_up_proj"] == "q4_1"
+    greedy_against_transformers(path, llm)
