@@ -43,3 +43,21 @@ class RequestOutput:
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then per token its
     # {token_id: Logprob} (itself first, then the top N); in a stream, on one delta, whole
     prompt_logprobs: Optional[SampleLogprobs] = None
+    # with SamplingParams.embed: the prompt's embedding (its last token's final hidden state,
+    # L2-normalised), once read
+    embedding: Optional[list[float]] = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """LLM.embed's result for one prompt (vLLM's name and fields)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

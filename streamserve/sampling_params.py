@@ -71,6 +71,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: Optional[StructuredOutputsParams] = None
+    # the embeddings API's: the request also returns its last prompt token's final hidden
+    # state, L2-normalised (vLLM's last-token pooling), from the step that reads that token
+    embed: bool = False
 
     # Derived: the stop strings as a list, the stop token ids as a set.
     stop_list: list[str] = field(init=False, repr=False)
@@ -136,3 +139,8 @@ class SamplingParams:
 
 def _is_token_id(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# An embedding request's settings: read the prompt, pool its last token, one token sampled
+# (and dropped) to finish it
+EMBEDDING = SamplingParams(max_tokens=1, temperature=0.0, embed=True)

@@ -65,6 +65,7 @@ class EngineCoreOutput(NamedTuple):
     queue_time: Optional[float] = None
     # Prompt logprobs computed this step, in order: the first predicts prompt token 1, ...
     new_prompt_logprobs: Optional[list[TokenLogprobs]] = None
+    embedding: Optional[list[float]] = None  # SamplingParams.embed's, from the step that read the prompt
 
 
 def validate_prompt(prompt_token_ids: list[int], params: SamplingParams,

@@ -181,7 +181,7 @@ class Scheduler:
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Append sampled tokens, finish what is done, free it, report every change."""
         outputs: list[EngineCoreOutput] = []
-        logprobs, requests = runner_output.logprobs, self.requests
+        logprobs, requests, embeddings = runner_output.logprobs, self.requests, runner_output.embeddings
         prompt_logprobs = self._new_prompt_logprobs(runner_output.prompt_logprobs) \
             if runner_output.prompt_logprobs else {}
         any_finished = False
@@ -199,7 +199,8 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 req_id, [token], None if logprobs is None or logprobs[i] is None else [logprobs[i]],
                 request.status.finish_reason if finished else None,
-                request.stop_reason, request.num_cached_tokens, queue_time, prompt_logprobs.pop(req_id, None)))
+                request.stop_reason, request.num_cached_tokens, queue_time, prompt_logprobs.pop(req_id, None),
+                None if embeddings is None else embeddings.get(req_id)))
             if finished:
                 any_finished = True
                 del self.requests[req_id]

@@ -69,3 +69,5 @@ class ModelRunnerOutput:
     # req_id -> (first prompt position scored, its TokenLogprobs and the next ones'): position
     # p scores prompt token p + 1
     prompt_logprobs: Optional[dict[str, tuple[int, list[TokenLogprobs]]]] = None
+    # req_id -> the embedding of a request with SamplingParams.embed that sampled this step
+    embeddings: Optional[dict[str, list[float]]] = None

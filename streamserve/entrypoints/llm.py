@@ -20,8 +20,8 @@ from streamserve.frontend.input_processor import InputProcessor, PromptType
 from streamserve.frontend.output_processor import OutputProcessor
 from streamserve.frontend.renderer import Message, Renderer, load_tokenizer
 from streamserve.heap import collector_paused
-from streamserve.outputs import RequestOutput
-from streamserve.sampling_params import SamplingParams
+from streamserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from streamserve.sampling_params import EMBEDDING, SamplingParams
 
 
 class LLM:
@@ -70,6 +70,14 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids":
                             self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding: its last token's final hidden state, L2-normalised (vLLM's
+        LLM.embed with last-token pooling, which decoder embedding models such as
+        Qwen3-Embedding are trained for)."""
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
+                for o in self.generate(prompts, EMBEDDING, use_tqdm)]
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:

@@ -50,6 +50,7 @@ class _ParentState:
     # [None, then one {token: Logprob} per prompt token after the first] when asked for
     prompt_logprobs: Optional[list[Optional[dict[int, Logprob]]]] = None
     prompt_logprobs_streamed: bool = False
+    embedding: Optional[list[float]] = None
     num_unfinished: int = field(init=False)  # samples without a finish reason yet
 
     def __post_init__(self) -> None:
@@ -127,6 +128,8 @@ class OutputProcessor:
                 for lp in out.new_prompt_logprobs:
                     token = parent.prompt_token_ids[len(parent.prompt_logprobs)]
                     parent.prompt_logprobs.append(self._entry(token, lp))
+            if out.embedding is not None:
+                parent.embedding = out.embedding
             stop = sample.detokenizer.update(out.new_token_ids, out.finish_reason)
             if stop is not None:  # a stop string wins over the engine's own reason
                 if out.finish_reason is None:
@@ -164,7 +167,8 @@ class OutputProcessor:
                 and len(parent.prompt_logprobs) == len(parent.prompt_token_ids)):
             prompt_logprobs, parent.prompt_logprobs_streamed = parent.prompt_logprobs, True  # once, whole
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
-                             parent.finished, parent.num_cached_tokens, dict(parent.metrics), prompt_logprobs)
+                             parent.finished, parent.num_cached_tokens, dict(parent.metrics), prompt_logprobs,
+                             parent.embedding)
 
     def _add_logprobs(self, sample: _Sample, out: EngineCoreOutput) -> None:
         for token, lp in zip(out.new_token_ids, out.new_logprobs):
@@ -189,4 +193,4 @@ class OutputProcessor:
                    for s in parent.samples]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs,
                              parent.finished, parent.num_cached_tokens, dict(parent.metrics),
-                             parent.prompt_logprobs)
+                             parent.prompt_logprobs, parent.embedding)

@@ -208,6 +208,7 @@ class ModelRunner:
             self.graphs.capture()
         self.sampler = Sampler(self.device, config.model.seed, self.to_device, kernels)
         self.requests: dict[str, RequestState] = {}
+        self.num_embedding_requests = 0  # of those, with SamplingParams.embed (their steps pool)
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
                                       -(-config.model.max_model_len // self.block_size))
         # Seeded generators outlive preemption, so a resumed request keeps its stream.
@@ -338,13 +339,24 @@ class ModelRunner:
             if not samplers:
                 return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
             # the head by the rows sampled: a long prefill chunk still samples one row
-            logits = self.model.compute_logits(hidden[logits_indices], self._reads_copies(len(logits_indices)))
+            rows = hidden[logits_indices]
+            embeddings = self._embeddings(rows, samplers) if self.num_embedding_requests else None
+            logits = self.model.compute_logits(rows, self._reads_copies(len(logits_indices)))
             masks = so.allowed_token_masks
             tokens, logprobs = self.sampler(logits, samplers, [masks.get(s.req_id) for s in samplers]
                                             if masks else None)
         for state, token in zip(samplers, tokens):
             state.token_ids.append(token)
-        return ModelRunnerOutput([s.req_id for s in samplers], tokens, logprobs, prompt_logprobs)
+        return ModelRunnerOutput([s.req_id for s in samplers], tokens, logprobs, prompt_logprobs, embeddings)
+
+    def _embeddings(self, rows: torch.Tensor, samplers: list[RequestState]) -> dict[str, list[float]]:
+        """The sampled rows of requests with SamplingParams.embed (a prompt's last token: the
+        first row such a request samples), L2-normalised."""
+        which = [j for j, s in enumerate(samplers) if s.params.embed]
+        if not which:
+            return {}
+        vectors = torch.nn.functional.normalize(rows[which].float(), dim=-1).cpu()
+        return {samplers[j].req_id: vector.tolist() for j, vector in zip(which, vectors)}
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> dict[str, tuple[int, list]]:
         """req_id -> (first position, the TokenLogprobs of the prompt tokens those positions
@@ -376,6 +388,7 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState(new, self._generator(new.req_id, new.sampling_params.seed),
                                                      self.block_table.add(new.block_ids))
+            self.num_embedding_requests += new.sampling_params.embed
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                    cached.num_computed_tokens):
@@ -388,6 +401,7 @@ class ModelRunner:
         state = self.requests.pop(req_id, None)
         if state is not None:
             self.block_table.remove(state.row)
+            self.num_embedding_requests -= state.params.embed
 
     def _generator(self, req_id: str, seed: Optional[int]) -> Optional[torch.Generator]:
         if seed is None:

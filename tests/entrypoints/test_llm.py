@@ -595,3 +595,31 @@ def test_a_chat_template_of_ones_own_serves_a_model_that_has_none(tmp_path, llam
         Config.from_kwargs(model=bare, chat_template="{% for m in messages %}")
     with pytest.raises(ValueError, match="is neither a file nor a Jinja template"):
         Config.from_kwargs(model=bare, chat_template=str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # Qwen3-Embedding's architecture
+def test_embed_is_the_last_tokens_final_hidden_state_normalised(model_dirs, arch):
+    """LLM.embed: transformers' last_hidden_state at the last token, L2-normalised (vLLM's
+    last-token pooling), whole or read in chunks, from the prefix cache or not, and beside
+    requests that generate (which are unchanged by it)."""
+    import torch
+    from transformers import AutoModel
+
+    hf = AutoModel.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
+    prompts = ["hello world", "The quick brown fox jumps over the lazy dog. " * 4, "hi"]
+    for settings in ({}, {"max_num_batched_tokens": 16}):
+        llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="16MiB", **settings)
+        first = llm.embed(prompts, use_tqdm=False)
+        again = llm.embed(prompts, use_tqdm=False)  # their full blocks now come from the prefix cache
+        for out, repeat in zip(first, again):
+            with torch.no_grad():
+                hidden = hf(torch.tensor([out.prompt_token_ids])).last_hidden_state[0, -1]
+            expected = torch.nn.functional.normalize(hidden, dim=-1)
+            assert torch.allclose(torch.tensor(out.outputs.embedding), expected, atol=1e-5)
+            assert repeat.outputs.embedding == pytest.approx(out.outputs.embedding, abs=1e-6)
+    alone = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert llm.engine_core.model_runner.num_embedding_requests == 0  # the finished ones forgotten
+    mixed = llm.generate(prompts[:2] + prompts[:2], [SamplingParams(temperature=0, max_tokens=8)] * 2
+                         + [SamplingParams(max_tokens=1, temperature=0, embed=True)] * 2, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == [o.outputs[0].token_ids for o in alone]
+    assert [o.embedding is None for o in mixed] == [True, True, False, False]

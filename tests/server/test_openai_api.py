@@ -785,3 +785,25 @@ def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(client):
     cached = again.prompt_tokens_details.cached_tokens
     assert 0 < cached < again.prompt_tokens and cached % 16 == 0
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
+def test_embeddings_are_the_offline_engines(client, server, offline):
+    """/v1/embeddings through the openai client (which asks for base64) and as floats: each
+    input's vector as LLM.embed gives it, in order, for strings and token IDs; the usage
+    counts the inputs' tokens; what cannot be done is a 400 naming the field."""
+    texts = ["hello world", "The quick brown fox", "hi"]
+    expected = [o.outputs.embedding for o in offline.embed(texts, use_tqdm=False)]
+    reply = client.embeddings.create(model="tiny", input=texts)
+    assert [d.index for d in reply.data] == [0, 1, 2] and reply.model == "tiny"
+    for d, want in zip(reply.data, expected):
+        assert d.embedding == pytest.approx(want, abs=1e-5)
+    ids = offline.get_tokenizer().encode("hello world")
+    one = client.embeddings.create(model="tiny", input=ids, encoding_format="float")
+    assert one.data[0].embedding == pytest.approx(expected[0], abs=1e-5)
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(
+        len(offline.get_tokenizer().encode(t)) for t in texts)
+    for body, param in (({"input": []}, "input"), ({"input": ""}, "input"), ({"input": [[10 ** 6]]}, "input"),
+                        ({"input": "x " * 600}, "input"), ({"input": "x", "dimensions": 8}, "dimensions"),
+                        ({"input": "x", "encoding_format": "int8"}, "encoding_format")):
+        status, error = post(server + "/v1/embeddings", body)
+        assert status == 400 and error["error"]["param"] == param, (body, error)

@@ -1,0 +1,69 @@
+"""POST /v1/embeddings: OpenAI's embeddings API, by last-token pooling.
+
+Each input runs as one request with SamplingParams.embed (sampling_params.EMBEDDING): the
+engine reads the prompt, and the step that reads its last token hands back that token's
+final hidden state, L2-normalised, as vLLM pools decoder models (what Qwen3-Embedding and
+its kind are trained for; any model served gets the same pooling). The inputs of one call
+run at once, batched by the scheduler with everything else. `encoding_format` "float" (the
+default) or "base64" (little-endian float32, what the openai client asks for); `dimensions`
+is refused (the model's own size only).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+from typing import Any, Optional
+
+import numpy as np
+from aiohttp import web
+
+from streamserve.sampling_params import EMBEDDING, ParamError
+from streamserve.server import protocol
+from streamserve.server.app import CONFIG, ENGINE, json_response, merged, read_body
+from streamserve.server.protocol import APIError, bad_request
+
+
+def _inputs(body: dict[str, Any], engine, limit: int) -> list[tuple[Optional[str], list[int]]]:
+    """(text or None, token IDs) per input: a string, token IDs, or a list of either."""
+    try:
+        inputs = protocol.completion_prompts({"prompt": body.get("input")})
+    except APIError as exc:
+        message = exc.message.replace("'prompt'", "'input'").replace("a prompt", "an input")
+        raise bad_request(message.replace("prompt", "input"), "input") from None
+    if len(inputs) > limit:
+        raise bad_request(f"{len(inputs)} inputs: at most {limit} a request (--max-choices)", "input")
+    prompts = [(x, engine.renderer.encode(x)) if isinstance(x, str) else (None, x) for x in inputs]
+    for i, (_, ids) in enumerate(prompts):
+        try:
+            engine.input_processor.validate(ids, EMBEDDING)
+        except ParamError as exc:
+            raise bad_request(f"input {i}: {exc}" if len(prompts) > 1 else str(exc), "input") from None
+    return prompts
+
+
+async def create_embeddings(request: web.Request) -> web.Response:
+    body = await read_body(request)
+    engine, serving = request.app[ENGINE], request.app[CONFIG]
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise bad_request("'encoding_format' must be 'float' or 'base64'", "encoding_format")
+    if body.get("dimensions") is not None:
+        raise bad_request("'dimensions' is not supported: embeddings have the model's own size", "dimensions")
+    prompts = _inputs(body, engine, serving.server.max_choices)
+    vectors: list[Optional[list[float]]] = [None] * len(prompts)
+    streams = [engine.generate(ids, EMBEDDING, prompt=text) for text, ids in prompts]
+    async with contextlib.aclosing(merged(streams)) as deltas:  # closed early (the client left): aborted
+        async for i, delta in deltas:
+            vectors[i] = delta.embedding or vectors[i]
+    data = [{"object": "embedding", "index": i,
+             "embedding": vector if fmt == "float" else
+             base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()}
+            for i, vector in enumerate(vectors)]
+    tokens = sum(len(ids) for _, ids in prompts)
+    return json_response({"object": "list", "data": data, "model": serving.model_name,
+                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/embeddings", create_embeddings)
