@@ -3,7 +3,7 @@
 Workers loop for --seconds, each picking one of: streamed chats and completions (some cut
 off after a few chunks), n > 1 with logprobs and echo, requests whose client times out,
 JSON-schema, choice and tool-call outputs, prompt_logprobs, long prompts sharing a prefix,
-responses (/v1/responses, streamed and not, and ones going on from them),
+responses (/v1/responses, streamed and not, and ones going on from them), embeddings,
 websockets closed mid-stream or sent bad frames, tokenize/detokenize, and bad bodies that
 must get a 400. Afterwards the engine must go idle with no KV block held (/metrics) and
 still serve. With --pid, the server's resident memory before and after (run twice: memory
@@ -100,7 +100,7 @@ class Soak:
             return r.status
 
     async def one(self, s) -> None:
-        kind = random.randrange(18)
+        kind = random.randrange(19)
         if kind == 0:
             self.expect("chat stream", await self.stream(s, "/v1/chat/completions", self.chat(stream=True)), 200)
         elif kind == 1:
@@ -196,6 +196,15 @@ class Soak:
             if status == 200:
                 status, t = await self.post(s, "/v1/responses", {**body, "previous_response_id": json.loads(t)["id"]})
                 self.expect("response going on", status, 200, t)
+        elif kind == 18:  # embeddings of a few inputs at once, left early at times
+            body = {"model": self.model, "input": [self.text(random.randint(1, 40)) for _ in range(random.randint(1, 4))]}
+            try:
+                status, t = await self.post(s, "/v1/embeddings", body, timeout=random.choice([None, 0.05]))
+                self.expect("embeddings", status, 200, t)
+                if status == 200 and len(json.loads(t)["data"]) != len(body["input"]):
+                    self.problems.append(("embeddings gave", t[:200]))
+            except asyncio.TimeoutError:
+                self.counts["embeddings left early"] += 1
         else:  # a streamed response, left early or read to its last event
             cut = random.choice([None, random.randint(1, 6)])
             async with s.post(self.url + "/v1/responses", json={"model": self.model, "input": self.text(10),
