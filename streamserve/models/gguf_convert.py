@@ -4,8 +4,9 @@ A GGUF file is converted once, into the cache, so later starts load safetensors 
 seconds. Tensors are dequantized with the `gguf` package (F32, F16, BF16, Q8_0, Q4_0,
 Q4_1 and the other types it reads), llama.cpp's tensor names are mapped to Hugging
 Face's (Phi-3's fused attn_qkv and ffn_up to its fused qkv_proj and gate_up_proj), and the
-row permutation that llama.cpp's converter applies to Llama's Q and K projections is undone. Config comes from the GGUF metadata; the tokenizer and its chat
-template from the GGUF's tokenizer fields (through transformers' GGUF tokenizer reader).
+row permutation that llama.cpp's converter applies to Llama's Q and K projections is undone.
+Config comes from the GGUF metadata; the tokenizer and its chat template from the GGUF's
+tokenizer fields (through transformers' GGUF tokenizer reader).
 """
 
 from __future__ import annotations
