@@ -51,6 +51,10 @@ READY_LOG = web.AppKey("ready_log", asyncio.Task)
 METRICS = web.AppKey("metrics", Metrics)
 CONFIG = web.AppKey("serving", Serving)
 DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: new requests are refused
+# the API calls being handled (POSTs, and websocket streams): a drain waits for them, so a
+# request read just before the signal is not cut off for having not reached the engine yet
+HANDLING = web.AppKey("handling", list)  # [count]
+SOCKETS = web.AppKey("websockets", set)  # the open websocket.py _Sockets, closed (1001) on shutdown
 # what a handler still running when the drain ends (or at a second signal) gets to finish its writes
 HANDLER_GRACE_SECONDS = 1.0
 # a request's key: its streamed response has begun (web.RequestKey where aiohttp has it, >= 3.12)
@@ -69,6 +73,18 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 def json_response(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+@web.middleware
+async def counting_middleware(request: web.Request, handler):
+    """Counts the POSTs being handled (every API call that generates is one), for `drain`."""
+    if request.method != "POST":
+        return await handler(request)
+    request.app[HANDLING][0] += 1
+    try:
+        return await handler(request)
+    finally:
+        request.app[HANDLING][0] -= 1
 
 
 @web.middleware
@@ -92,11 +108,14 @@ async def errors_middleware(request: web.Request, handler):
 
 def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web.Application:
     """The app; it listens while `engine` loads (on_startup starts the loading)."""
-    app = web.Application(middlewares=[errors_middleware], client_max_size=server.max_request_bytes)
+    app = web.Application(middlewares=[counting_middleware, errors_middleware],
+                          client_max_size=server.max_request_bytes)
     app[CONFIG] = Serving(server, model_name, int(time.time()))
     app[ENGINE] = engine
     app[METRICS] = Metrics(engine, model_name)
     app[DRAINING] = asyncio.Event()
+    app[HANDLING] = [0]
+    app[SOCKETS] = set()
     app.router.add_get("/", chat_page)
     app.router.add_get("/static/{name}", static_file)
     app.router.add_get("/health", health)
@@ -136,11 +155,16 @@ def app_runner(engine: AsyncEngine, server: ServerConfig, model_name: str) -> we
 
 async def drain(app: web.Application, timeout: float, cut: Optional[asyncio.Event] = None) -> int:
     """Refuse new requests (503) and wait up to `timeout` seconds (or until `cut` is set) for
-    those in flight to finish; how many are still running."""
+    those in flight to finish: in the engine, and API calls still on their way to it; how
+    many engine requests are still running."""
     app[DRAINING].set()
     engine = app[ENGINE]
     deadline = time.monotonic() + timeout
-    while engine.num_in_flight and time.monotonic() < deadline and not (cut is not None and cut.is_set()):
+
+    def busy() -> bool:
+        return bool(engine.num_in_flight or app[HANDLING][0] or any(s.tasks for s in app[SOCKETS]))
+
+    while busy() and time.monotonic() < deadline and not (cut is not None and cut.is_set()):
         await asyncio.sleep(0.05)
     return engine.num_in_flight
 

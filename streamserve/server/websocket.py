@@ -27,14 +27,13 @@ from urllib.parse import urlsplit
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from streamserve.server.app import (CONFIG, HANDLER_GRACE_SECONDS, _Call, _chunks, api_key_ok, check_body,
-                                    in_band_error, parse_json, prepare)
+from streamserve.server.app import (CONFIG, HANDLER_GRACE_SECONDS, SOCKETS, _Call, _chunks, api_key_ok,
+                                    check_body, in_band_error, parse_json, prepare)
 from streamserve.server.protocol import APIError, bad_request
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 20.0
-SOCKETS = web.AppKey("websockets", set)  # the open _Sockets, closed (1001) when the server shuts down
 _ENDPOINTS = {"chat.completions": True, "completions": False}
 
 
@@ -176,6 +175,5 @@ async def _close_sockets(app: web.Application) -> None:
 
 
 def add_routes(app: web.Application) -> None:
-    app[SOCKETS] = set()
     app.router.add_get("/v1/ws", websocket)
     app.on_shutdown.append(_close_sockets)

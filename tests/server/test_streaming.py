@@ -11,7 +11,7 @@ from aiohttp import web
 
 from live_server import fail_step, held_config, record_aborts, slow_steps, start
 from streamserve.frontend.async_engine import AsyncEngine
-from streamserve.server.app import app_runner
+from streamserve.server.app import app_runner, drain
 
 
 async def stream_text(session: aiohttp.ClientSession, url: str, body: dict) -> str:
@@ -363,3 +363,35 @@ def test_sse_bytes_with_aiohttps_client(llama_dir):
     assert [o["choices"][0]["finish_reason"] for o in objects[1:-1]][-1] == "length"
     assert objects[-1]["choices"] == [] and objects[-1]["usage"]["completion_tokens"] == 3
     assert len({o["id"] for o in objects}) == 1 and objects[0]["object"] == "chat.completion.chunk"
+
+
+def test_a_drain_waits_for_a_call_not_yet_in_the_engine(llama_dir):
+    """A call past its checks but not yet in the engine when the drain begins (here held
+    0.5 s on its way) is waited for, not cut off for having no engine request yet; a call
+    that comes after is refused with a 503."""
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        generate, done = engine.generate, []
+
+        async def late(*args, **kwargs):
+            await asyncio.sleep(0.5)
+            async for delta in generate(*args, **kwargs):
+                yield delta
+            done.append(True)
+
+        engine.generate = late
+        async with aiohttp.ClientSession() as session:
+            call = asyncio.ensure_future(session.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}))
+            await asyncio.sleep(0.2)
+            left = await drain(runner.app, 30)
+            finished_first = bool(done)
+            async with await call as r:
+                result = (r.status, (await r.json())["choices"][0]["finish_reason"])
+            async with session.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}) as r:
+                refused = (r.status, (await r.json())["error"]["type"])
+        await runner.cleanup()
+        return left, finished_first, result, refused
+
+    left, finished_first, result, refused = asyncio.run(main())
+    assert left == 0 and finished_first and result == (200, "length")
+    assert refused == (503, "service_unavailable")
