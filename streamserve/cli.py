@@ -92,9 +92,9 @@ def serve(args: argparse.Namespace) -> int:
         pass
     try:
         rc, loading = asyncio.run(_serve(server, model_name, lambda: Config.from_kwargs(**kwargs)))
-    except KeyboardInterrupt:
-        return 0
-    if loading:  # stopped while the engine thread loads (in native code): the interpreter's
+    except KeyboardInterrupt:  # a SIGINT that asyncio's own handler took (early in the start)
+        rc, loading = 0, True
+    if loading:  # stopped while the engine thread may load (in native code): the interpreter's
         # teardown would abort on that thread ("terminate called without an active exception")
         logging.shutdown()
         sys.stdout.flush()
@@ -124,8 +124,8 @@ async def _serve(server: ServerConfig, model_name: str, make_config) -> tuple[in
         return 2, False
     engine = AsyncEngine(make_config, freeze_heap=True)  # this process serves it to the end
     runner = app_runner(engine, server, model_name)
+    signals = _Signals(log)  # before the setup, which starts the loading thread
     await runner.setup()
-    signals = _Signals(log)
     ready = asyncio.ensure_future(engine.wait_ready())
     stopped = asyncio.ensure_future(signals.stop.wait())
     try:

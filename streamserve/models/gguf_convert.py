@@ -48,6 +48,9 @@ _GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
                    "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 MARKER = "streamserve-gguf-source.json"
+# tokens that end a chat turn, which llama.cpp also stops at (by their text) where the GGUF's
+# EOS is another (Microsoft's Phi-3 file: EOS <|endoftext|>, turns end with <|end|>)
+_END_OF_TURN = ("<|end|>", "<|eot_id|>", "<|im_end|>", "<end_of_turn>")
 
 
 def read_metadata(reader) -> dict[str, Any]:
@@ -98,8 +101,14 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype, vocab_size: 
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     window = get("attention.sliding_window")
-    if window:  # (Phi-3's 2047) full attention is exact within it: it caps the context
+    if not window and arch == "phi3" and config["max_position_embeddings"] <= 4096:
+        window = 2047  # the 4k models' own, in files written before llama.cpp stored it (Microsoft's)
+    if window:  # full attention is exact within it: it caps the context
         config["sliding_window"] = window
+    rotary = get("rope.dimension_count")
+    if rotary and rotary != config["head_dim"]:
+        raise ValueError(f"GGUF rope.dimension_count {rotary} rotates part of each head of {config['head_dim']}: "
+                         "streamserve rotates whole heads")
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
@@ -208,12 +217,26 @@ def _write_conversion(gguf_path: str, tmp_dir: str, dtype: torch.dtype) -> None:
     save_blocks(os.path.join(tmp_dir, BLOCKS_FILE), blocks)
     with open(os.path.join(tmp_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
-    _convert_tokenizer(gguf_path, tmp_dir, meta)
+    _write_generation_config(tmp_dir, config, meta, _convert_tokenizer(gguf_path, tmp_dir, meta))
     with open(os.path.join(tmp_dir, MARKER), "w", encoding="utf-8") as f:
         json.dump(source_stamp(gguf_path, dtype), f)
 
 
-def _convert_tokenizer(gguf_path: str, out_dir: str, meta: dict[str, Any]) -> None:
+def _write_generation_config(out_dir: str, config: dict[str, Any], meta: dict[str, Any], tokenizer) -> None:
+    """generation_config.json's EOS IDs where a chat turn ends on a token other than the EOS:
+    the GGUF's eot_token_id, and the end-of-turn tokens its vocabulary holds."""
+    ids = [config["eos_token_id"]] if isinstance(config.get("eos_token_id"), int) else []
+    vocab = tokenizer.get_vocab()
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    for token in ([eot] if isinstance(eot, int) else []) + [vocab[t] for t in _END_OF_TURN if t in vocab]:
+        if token not in ids:
+            ids.append(token)
+    if len(ids) > 1:
+        with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"eos_token_id": ids}, f, indent=2)
+
+
+def _convert_tokenizer(gguf_path: str, out_dir: str, meta: dict[str, Any]):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
@@ -222,6 +245,7 @@ def _convert_tokenizer(gguf_path: str, out_dir: str, meta: dict[str, Any]) -> No
     if template:
         tok.chat_template = template
     tok.save_pretrained(out_dir)
+    return tok
 
 
 def source_stamp(gguf_path: str, dtype: torch.dtype) -> dict[str, Any]:

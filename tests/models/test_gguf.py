@@ -335,3 +335,29 @@ def test_a_phi3_gguf_with_its_fused_tensors_matches_transformers(tmp_path):
     if runner.c_kernels is not None:
         assert kept["layers.0.self_attn.qkv_proj"] == "q8_0" and kept["layers.1.mlp.gate_up_proj"] == "q4_1"
     greedy_against_transformers(path, llm)
+
+
+def test_a_phi3_gguf_of_microsofts_kind_keeps_its_window_and_stops_at_its_turns_end(tmp_path):
+    """Microsoft's own Phi-3 4k GGUF predates llama.cpp's sliding_window key: its 2047-token
+    window is assumed (attention beyond it is what the model never saw); its EOS is
+    <|endoftext|> while chat turns end with <|end|>, which generation_config.json lists as an
+    EOS too. A rotary over part of each head is refused."""
+    from types import SimpleNamespace
+
+    from streamserve.models.gguf_convert import _write_generation_config, hf_config
+
+    meta = {"general.architecture": "phi3", "phi3.attention.head_count": 32, "phi3.embedding_length": 3072,
+            "phi3.feed_forward_length": 8192, "phi3.block_count": 32, "phi3.context_length": 4096,
+            "phi3.rope.dimension_count": 96, "tokenizer.ggml.eos_token_id": 32000}
+    config = hf_config(meta, tied=False, dtype=torch.bfloat16, vocab_size=32064)
+    assert config["sliding_window"] == 2047 and config["architectures"] == ["Phi3ForCausalLM"]
+    assert hf_config({**meta, "phi3.attention.sliding_window": 262144}, False, torch.bfloat16, 32064)[
+        "sliding_window"] == 262144
+    with pytest.raises(ValueError, match="rope.dimension_count 72 rotates part of each head of 96"):
+        hf_config({**meta, "phi3.rope.dimension_count": 72}, False, torch.bfloat16, 32064)
+    vocab = {"<|endoftext|>": 32000, "<|assistant|>": 32001, "<|end|>": 32007, "<|user|>": 32010}
+    _write_generation_config(str(tmp_path), config, meta, SimpleNamespace(get_vocab=lambda: vocab))
+    assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": [32000, 32007]}
+    (tmp_path / "generation_config.json").unlink()
+    _write_generation_config(str(tmp_path), config, meta, SimpleNamespace(get_vocab=lambda: {"a": 1}))
+    assert not (tmp_path / "generation_config.json").exists()  # the EOS alone: nothing to add
