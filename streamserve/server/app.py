@@ -19,7 +19,7 @@ import logging
 import pathlib
 import time
 import uuid
-from typing import Any, AsyncIterator, Iterable, NamedTuple, Optional, TypeVar
+from typing import Any, AsyncIterator, Callable, Iterable, NamedTuple, Optional, TypeVar
 
 import orjson
 from aiohttp import web
@@ -737,20 +737,33 @@ async def prepare(request: web.Request, response: web.StreamResponse) -> None:
 
 
 async def _stream(request: web.Request, call: _Call) -> web.StreamResponse:
+    return await stream_sse(request, call, lambda outputs: _chunks(call, outputs),
+                            lambda obj: b"data: " + orjson.dumps(obj) + b"\n\n", lambda error: [error.body()],
+                            end=b"data: [DONE]\n\n")
+
+
+async def stream_sse(request: web.Request, call: _Call,
+                     frames: Callable[[AsyncIterator[RequestOutput]], AsyncIterator[dict[str, Any]]],
+                     encode: Callable[[dict[str, Any]], bytes],
+                     failed: Callable[[APIError], list[dict[str, Any]]], end: bytes = b"") -> web.StreamResponse:
+    """A call's SSE stream: `frames` of its outputs (kept alive with comments while idle),
+    each written as `encode` makes it; an error after the headers is sent in-band as the
+    frames `failed` makes of it; then `end`. A client that leaves has the request aborted."""
     response = web.StreamResponse(headers=SSE_HEADERS)
     await prepare(request, response)
-    send = lambda obj: response.write(b"data: " + orjson.dumps(obj) + b"\n\n")  # noqa: E731
     async with contextlib.aclosing(call.outputs()) as outputs, \
             contextlib.aclosing(_with_keepalive(outputs, call.keepalive, response)) as kept:
         try:
-            async for chunk in _chunks(call, kept):
-                await send(chunk)
+            async for frame in frames(kept):
+                await response.write(encode(frame))
         except ConnectionResetError:
             return response  # the client left: closing `outputs` aborts the request
         except Exception as exc:  # after the headers: report in-band, then end the stream
             with contextlib.suppress(ConnectionResetError):
-                await send(in_band_error(exc, call.id).body())
+                for frame in failed(in_band_error(exc, call.id)):
+                    await response.write(encode(frame))
     with contextlib.suppress(ConnectionResetError):  # all sent but the end: nothing to abort
-        await response.write(b"data: [DONE]\n\n")
+        if end:
+            await response.write(end)
         await response.write_eof()
     return response

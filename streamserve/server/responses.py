@@ -33,8 +33,7 @@ import orjson
 from aiohttp import web
 
 from streamserve.config import parse_size
-from streamserve.server.app import (CONFIG, SSE_HEADERS, _Call, _chunks, _with_keepalive, check_api_key,
-                                    in_band_error, json_response, prepare, read_body)
+from streamserve.server.app import CONFIG, _Call, _chunks, check_api_key, json_response, read_body, stream_sse
 from streamserve.server.protocol import APIError, bad_request
 
 LOGPROBS = "message.output_text.logprobs"
@@ -108,19 +107,22 @@ def _add_call(messages: list[dict[str, Any]], call_id: str, name: str, arguments
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
 
 
-def input_messages(items: Any) -> list[dict[str, Any]]:
-    """The input (a string, or a list of items) as chat messages: messages, function calls
-    (an assistant's tool_calls, consecutive ones in one message) and their outputs (tool
-    messages)."""
+def read_input(items: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The input (a string, or a list of items), checked, as chat messages (messages; function
+    calls as an assistant's tool_calls, consecutive ones in one message; their outputs as tool
+    messages) and as the items GET .../input_items lists, each with an id (the client's, where
+    it gave one)."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
+        items = [{"role": "user", "content": items}]
+    elif not isinstance(items, list) or not items:
         raise bad_request("'input' must be a string or a non-empty list of items", "input")
     messages: list[dict[str, Any]] = []
+    listed: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         role = item.get("role") if kind == "message" else None
+        given = item.get("id") if kind is not None and isinstance(item.get("id"), str) else None
         if isinstance(role, str) and role in _ROLES:
             content = _text_parts(item.get("content"), where + ".content")
             if role == "assistant" and messages and messages[-1]["role"] == "assistant" \
@@ -128,47 +130,30 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
                 messages[-1]["content"] += content  # one turn's text, in parts
             else:
                 messages.append({"role": _ROLES[role], "content": content})
+            part = {"type": "output_text", "text": content, "annotations": []} if role == "assistant" else \
+                {"type": "input_text", "text": content}
+            listed.append({"type": "message", "id": given or "msg_" + uuid.uuid4().hex, "role": role,
+                           "status": "completed", "content": [part]})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise bad_request(f"{where}: a function_call needs string 'call_id', 'name' and 'arguments'", "input")
             _add_call(messages, item["call_id"], item["name"], item["arguments"])
+            listed.append({"type": "function_call", "id": given or "fc_" + uuid.uuid4().hex,
+                           "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"],
+                           "status": "completed"})
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise bad_request(f"{where}: a function_call_output needs a string 'call_id'", "input")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": _text_parts(item.get("output"), where + ".output")})
+            output = _text_parts(item.get("output"), where + ".output")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
+            listed.append({"type": "function_call_output", "id": given or "fco_" + uuid.uuid4().hex,
+                           "call_id": item["call_id"], "output": output, "status": "completed"})
         elif kind == "message":
             raise bad_request(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", "input")
         else:
             raise bad_request(f"{where}: this server reads input items of type 'message', 'function_call' and "
                               f"'function_call_output', not {kind!r}", "input")
-    return messages
-
-
-def input_items(items: Any) -> list[dict[str, Any]]:
-    """The input (checked by input_messages) as the items GET .../input_items lists, each
-    with an id (the client's, where it gave one)."""
-    if isinstance(items, str):
-        items = [{"role": "user", "content": items}]
-    listed = []
-    for item in items:
-        kind = item.get("type", "message")
-        given = item.get("id") if isinstance(item.get("id"), str) else None
-        if kind == "message":
-            text, assistant = _text_parts(item["content"], "input"), item["role"] == "assistant"
-            part = {"type": "output_text", "text": text, "annotations": []} if assistant else \
-                {"type": "input_text", "text": text}
-            listed.append({"type": "message", "id": given or "msg_" + uuid.uuid4().hex, "role": item["role"],
-                           "status": "completed", "content": [part]})
-        elif kind == "function_call":
-            listed.append({"type": "function_call", "id": given or "fc_" + uuid.uuid4().hex,
-                           "call_id": item["call_id"], "name": item["name"], "arguments": item["arguments"],
-                           "status": "completed"})
-        else:
-            listed.append({"type": "function_call_output", "id": given or "fco_" + uuid.uuid4().hex,
-                           "call_id": item["call_id"], "output": _text_parts(item["output"], "input"),
-                           "status": "completed"})
-    return listed
+    return messages, listed
 
 
 def _tools(body: dict[str, Any]) -> dict[str, Any]:
@@ -266,8 +251,8 @@ class ResponsesRequest:
         if instructions is not None and not isinstance(instructions, str):
             raise bad_request("'instructions' must be a string", "instructions")
         # the conversation this response goes on from, then its output, is what a later one reads
-        self.conversation = earlier + input_messages(body.get("input"))
-        self.input_items = input_items(body["input"])
+        messages, self.input_items = read_input(body.get("input"))
+        self.conversation = earlier + messages
         system = [{"role": "system", "content": instructions}] if instructions else []
         chat = {"model": body.get("model"), "messages": system + self.conversation, "stream": True,
                 "stream_options": {"include_usage": True}, **_tools(body)}
@@ -447,8 +432,9 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             exc.message = exc.message.replace(f"'{chat_name}'", f"'{name}'")
         raise
     builder = ResponseBuilder(wanted, call)
-    if wanted.stream:
-        response = await _stream(request, call, builder)
+    if wanted.stream:  # OpenAI's events, no [DONE]; a step that broke ends with error and response.failed
+        response = await stream_sse(request, call, lambda outputs: builder.events(_chunks(call, outputs)),
+                                    _event, builder.failed)
     else:
         async with contextlib.aclosing(call.outputs()) as outputs:
             async for _ in builder.events(_chunks(call, outputs)):
@@ -459,24 +445,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def _stream(request: web.Request, call: _Call, builder: ResponseBuilder) -> web.StreamResponse:
-    response = web.StreamResponse(headers=SSE_HEADERS)
-    await prepare(request, response)
-    send = lambda e: response.write(b"event: %s\ndata: %s\n\n" % (e["type"].encode(), orjson.dumps(e)))  # noqa: E731
-    async with contextlib.aclosing(call.outputs()) as outputs, \
-            contextlib.aclosing(_with_keepalive(outputs, call.keepalive, response)) as kept:
-        try:
-            async for event in builder.events(_chunks(call, kept)):
-                await send(event)
-        except ConnectionResetError:
-            return response  # the client left: closing `outputs` aborts the request
-        except Exception as exc:  # after the headers: report in-band, then end the stream
-            with contextlib.suppress(ConnectionResetError):
-                for event in builder.failed(in_band_error(exc, builder.response["id"])):
-                    await send(event)
-    with contextlib.suppress(ConnectionResetError):
-        await response.write_eof()
-    return response
+def _event(event: dict[str, Any]) -> bytes:
+    return b"event: %s\ndata: %s\n\n" % (event["type"].encode(), orjson.dumps(event))
 
 
 async def get_response(request: web.Request) -> web.Response:
