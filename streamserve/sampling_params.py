@@ -74,6 +74,14 @@ class SamplingParams:
     # the embeddings API's: the request also returns its last prompt token's final hidden
     # state, L2-normalised (vLLM's last-token pooling), from the step that reads that token
     embed: bool = False
+    # vLLM's: only these token IDs may be sampled
+    allowed_token_ids: Optional[list[int]] = None
+    # vLLM's: words never generated. The InputProcessor reads each as tokens (with and without a
+    # leading space) into bad_words_token_ids; a token that would complete one is not sampled.
+    bad_words: Optional[list[str]] = None
+    bad_words_token_ids: Optional[list[list[int]]] = field(default=None, repr=False)
+    # vLLM's: only the prompt's last k tokens are read (-1: the last max_model_len)
+    truncate_prompt_tokens: Optional[int] = None
 
     # Derived: the stop strings as a list, the stop token ids as a set.
     stop_list: list[str] = field(init=False, repr=False)
@@ -81,8 +89,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if not all(_is_token_id(t) for t in self.stop_token_ids or ()):
-            raise ParamError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            if not (ids is None or isinstance(ids, (list, tuple)) and all(_is_token_id(t) for t in ids)):
+                raise ParamError(f"{name} must be a list of non-negative integers", name)
         self.stop_token_set = frozenset(self.stop_token_ids or ())
         self._validate()
 
@@ -119,6 +129,17 @@ class SamplingParams:
              "logit_bias", "logit_bias must map token IDs (non-negative integers) to biases in [-100, 100]"),
             (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
              "structured_outputs", "structured_outputs must be a StructuredOutputsParams"),
+            (self.allowed_token_ids is None or len(self.allowed_token_ids) > 0,
+             "allowed_token_ids", "allowed_token_ids must list at least one token ID"),
+            (self.allowed_token_ids is None or self.structured_outputs is None,
+             "allowed_token_ids", "give allowed_token_ids or structured outputs, not both"),
+            (self.bad_words is None or isinstance(self.bad_words, (list, tuple)) and all(
+                isinstance(w, str) and w.strip() for w in self.bad_words),
+             "bad_words", "bad_words must be a list of strings, each with more than whitespace"),
+            (self.truncate_prompt_tokens is None or _is_int(self.truncate_prompt_tokens)
+             and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1),
+             "truncate_prompt_tokens", "truncate_prompt_tokens must be a positive count of tokens, or -1 "
+             f"(max_model_len), got {self.truncate_prompt_tokens}"),
             (self.structured_outputs is None or not (self.min_tokens or self.ignore_eos),
              "min_tokens" if self.min_tokens else "ignore_eos",
              "structured output ends with EOS once the output is whole: it takes neither min_tokens nor ignore_eos"),
@@ -137,8 +158,12 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_token_id(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return _is_int(value) and value >= 0
 
 
 # An embedding request's settings: read the prompt, pool its last token, one token sampled

@@ -74,13 +74,14 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams,
     n = len(prompt_token_ids)
     if n == 0:
         raise ParamError("the prompt is empty: give at least one token", "prompt")
-    if n >= max_model_len:
-        raise ParamError(f"the prompt has {n} tokens, but max_model_len is {max_model_len}: "
-                         "there is no room to generate", "prompt")
+    if n > max_model_len or n == max_model_len and not params.embed:  # (an embedding generates nothing)
+        raise ParamError(f"the prompt has {n} tokens, but max_model_len is {max_model_len}"
+                         + ("" if params.embed else ": there is no room to generate"), "prompt")
     bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ParamError(f"prompt token ID {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
-    for field, ids in (("stop_token_ids", params.stop_token_set), ("logit_bias", params.logit_bias or ())):
+    for field, ids in (("stop_token_ids", params.stop_token_set), ("logit_bias", params.logit_bias or ()),
+                       ("allowed_token_ids", params.allowed_token_ids or ())):
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise ParamError(f"{field}: {bad[0]} is outside the vocabulary [0, {vocab_size})", field)

@@ -9,6 +9,7 @@ The engine runs in the calling thread: add every request, then step until done.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Optional, Sequence, Union
 
@@ -46,7 +47,7 @@ class LLM:
         request_ids = []
         try:
             for prompt, params in zip(prompt_list, params_list):
-                text, ids = self.input_processor.tokenize(prompt)
+                text, ids = self.input_processor.truncate(*self.input_processor.tokenize(prompt), params)
                 request_ids.append(self._add_request(text, ids, params))
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
@@ -71,13 +72,15 @@ class LLM:
                             self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def embed(self, prompts: Union[PromptType, Sequence[PromptType]],
-              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts: Union[PromptType, Sequence[PromptType]], use_tqdm: bool = True,
+              truncate_prompt_tokens: Optional[int] = None) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding: its last token's final hidden state, L2-normalised (vLLM's
         LLM.embed with last-token pooling, which decoder embedding models such as
-        Qwen3-Embedding are trained for)."""
+        Qwen3-Embedding are trained for); truncate_prompt_tokens k: of its last k tokens
+        (-1: max_model_len)."""
+        params = dataclasses.replace(EMBEDDING, truncate_prompt_tokens=truncate_prompt_tokens)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
-                for o in self.generate(prompts, EMBEDDING, use_tqdm)]
+                for o in self.generate(prompts, params, use_tqdm)]
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:

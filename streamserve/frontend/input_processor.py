@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 from streamserve.config import Config
 from streamserve.engine.request import EngineCoreRequest, validate_prompt
 from streamserve.frontend.renderer import Renderer
-from streamserve.sampling_params import SamplingParams
+from streamserve.sampling_params import ParamError, SamplingParams
 
 # A prompt: text, token IDs, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts.
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -48,6 +48,32 @@ class InputProcessor:
             raise TypeError("prompt token IDs must be integers")
         return ids
 
+    def truncate(self, text: Optional[str], ids: list[int], params: SamplingParams
+                 ) -> tuple[Optional[str], list[int]]:
+        """The prompt cut to its last params.truncate_prompt_tokens tokens (vLLM's; -1: the last
+        max_model_len): its text is then None (what is left is no longer that text)."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return text, ids
+        if keep > self.max_model_len:
+            raise ParamError(f"truncate_prompt_tokens ({keep}) must be at most max_model_len "
+                             f"({self.max_model_len})", "truncate_prompt_tokens")
+        keep = self.max_model_len if keep == -1 else keep
+        return (text, ids) if len(ids) <= keep else (None, ids[-keep:])
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's reading of bad_words: each word's tokens as it would begin the text and, where
+        that differs in its first token only, after a space (as it would follow a word)."""
+        encode = self.renderer.tokenizer.encode
+        sequences: list[list[int]] = []
+        for word in words:
+            bare = encode(word.lstrip(), add_special_tokens=False)
+            spaced = encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(bare)
+            if len(spaced) == len(bare) and spaced[0] != bare[0]:
+                sequences.append(spaced)
+        return [ids for ids in sequences if ids and max(ids) < self.vocab_size]
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
@@ -59,6 +85,8 @@ class InputProcessor:
         eos = self.renderer.eos_token_id
         if self.extra_eos_ids and not params.ignore_eos and not self.extra_eos_ids <= params.stop_token_set:
             params = dataclasses.replace(params, stop_token_ids=sorted(params.stop_token_set | self.extra_eos_ids))
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = dataclasses.replace(params, bad_words_token_ids=self.bad_words_token_ids(params.bad_words))
         requests = []
         for k, child_id in enumerate(child_ids):
             child_params = params

@@ -408,6 +408,7 @@ class _Call:
         for p, (text, ids) in enumerate(self.prompts):
             which = f"prompt {p} of the batch: " if len(self.prompts) > 1 else ""
             try:  # first: a prompt too long by itself is the prompt's fault, whatever max_tokens
+                text, ids = self.engine.input_processor.truncate(text, ids, self.params)
                 self.engine.input_processor.validate(ids, self.params)
             except ParamError as exc:  # a chat's prompt is its messages
                 raise bad_request(which + str(exc),
@@ -416,8 +417,9 @@ class _Call:
                 raise bad_request(f"{which}the prompt has {len(ids)} tokens and max_tokens is "
                                   f"{self.params.max_tokens}{'' if self.max_tokens_given else ' (the default)'}: "
                                   f"together they exceed max_model_len ({max_model_len})", "max_tokens")
-            if self.echo and text is None:  # token IDs, valid by now
-                self.prompts[p] = (self.engine.tokenizer.decode(ids), ids)
+            if self.echo and text is None:  # token IDs (or a truncated prompt), valid by now
+                text = self.engine.tokenizer.decode(ids)
+            self.prompts[p] = (text, ids)
 
     def prompt_text(self, choice: int) -> Optional[str]:
         return self.prompts[choice // self.params.n][0]

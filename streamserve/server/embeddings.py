@@ -13,19 +13,30 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 from typing import Any, Optional
 
 import numpy as np
 from aiohttp import web
 
-from streamserve.sampling_params import EMBEDDING, ParamError
+from streamserve.sampling_params import EMBEDDING, ParamError, SamplingParams
 from streamserve.server import protocol
 from streamserve.server.app import CONFIG, ENGINE, json_response, merged, read_body
 from streamserve.server.protocol import APIError, bad_request
 
 
-def _inputs(body: dict[str, Any], engine, limit: int) -> list[tuple[Optional[str], list[int]]]:
-    """(text or None, token IDs) per input: a string, token IDs, or a list of either."""
+def _params(body: dict[str, Any]) -> SamplingParams:
+    """EMBEDDING, with vLLM's truncate_prompt_tokens where the body gives it."""
+    try:
+        return dataclasses.replace(EMBEDDING, truncate_prompt_tokens=body.get("truncate_prompt_tokens"))
+    except ParamError as exc:
+        raise bad_request(str(exc), exc.param) from None
+
+
+def _inputs(body: dict[str, Any], engine, limit: int, params: SamplingParams
+            ) -> list[tuple[Optional[str], list[int]]]:
+    """(text or None, token IDs) per input: a string, token IDs, or a list of either; each cut
+    to its last params.truncate_prompt_tokens tokens where that is set."""
     try:
         inputs = protocol.completion_prompts({"prompt": body.get("input")})
     except APIError as exc:
@@ -34,11 +45,13 @@ def _inputs(body: dict[str, Any], engine, limit: int) -> list[tuple[Optional[str
     if len(inputs) > limit:
         raise bad_request(f"{len(inputs)} inputs: at most {limit} a request (--max-choices)", "input")
     prompts = [(x, engine.renderer.encode(x)) if isinstance(x, str) else (None, x) for x in inputs]
-    for i, (_, ids) in enumerate(prompts):
+    for i, (text, ids) in enumerate(prompts):
         try:
-            engine.input_processor.validate(ids, EMBEDDING)
+            prompts[i] = engine.input_processor.truncate(text, ids, params)
+            engine.input_processor.validate(prompts[i][1], params)
         except ParamError as exc:
-            raise bad_request(f"input {i}: {exc}" if len(prompts) > 1 else str(exc), "input") from None
+            message = f"input {i}: {exc}" if len(prompts) > 1 else str(exc)
+            raise bad_request(message, "input" if exc.param == "prompt" else exc.param) from None
     return prompts
 
 
@@ -50,9 +63,10 @@ async def create_embeddings(request: web.Request) -> web.Response:
         raise bad_request("'encoding_format' must be 'float' or 'base64'", "encoding_format")
     if body.get("dimensions") is not None:
         raise bad_request("'dimensions' is not supported: embeddings have the model's own size", "dimensions")
-    prompts = _inputs(body, engine, serving.server.max_choices)
+    params = _params(body)
+    prompts = _inputs(body, engine, serving.server.max_choices, params)
     vectors: list[Optional[list[float]]] = [None] * len(prompts)
-    streams = [engine.generate(ids, EMBEDDING, prompt=text) for text, ids in prompts]
+    streams = [engine.generate(ids, params, prompt=text) for text, ids in prompts]
     async with contextlib.aclosing(merged(streams)) as deltas:  # closed early (the client left): aborted
         async for i, delta in deltas:
             vectors[i] = delta.embedding or vectors[i]

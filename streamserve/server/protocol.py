@@ -38,6 +38,8 @@ _FIELDS = {
     "min_tokens": ("min_tokens", (int,)), "skip_special_tokens": ("skip_special_tokens", (bool,)),
     "include_stop_str_in_output": ("include_stop_str_in_output", (bool,)),
     "prompt_logprobs": ("prompt_logprobs", (int,)),
+    "allowed_token_ids": ("allowed_token_ids", (list,)), "bad_words": ("bad_words", (list,)),
+    "truncate_prompt_tokens": ("truncate_prompt_tokens", (int,)),
 }
 
 

@@ -40,7 +40,8 @@ LOGPROBS = "message.output_text.logprobs"
 # vLLM's sampling extras, passed on to the chat body as they are
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias",
-             "skip_special_tokens", "chat_template_kwargs", "parallel_tool_calls", "structured_outputs")
+             "skip_special_tokens", "chat_template_kwargs", "parallel_tool_calls", "structured_outputs",
+             "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
 # the chat body's fields that the Responses body names otherwise
 _CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text",
                "logprobs": "include"}

@@ -63,15 +63,18 @@ class Sampler:
                  allowed: Optional[list[Optional[np.ndarray]]] = None
                  ) -> tuple[list[int], Optional[list[Optional[TokenLogprobs]]]]:
         """allowed: per row, None or a [vocab] bool mask of the only tokens it may sample
-        (structured output); applied first, so its logprobs are those of the constrained
-        distribution."""
+        (structured output); applied first with allowed_token_ids', so its logprobs are those
+        of the constrained distribution."""
         logits = logits.float()
+        if any(r.params.allowed_token_ids is not None for r in rows):
+            allowed = [_allowed_ids_mask(r, logits.shape[1]) if r.params.allowed_token_ids is not None
+                       else None if allowed is None else allowed[i] for i, r in enumerate(rows)]
         if allowed is not None and any(mask is not None for mask in allowed):
             logits = self._keep_allowed(logits, allowed)
         # the logits the logprobs describe (the steps below make new tensors: these stay as they are)
         raw = logits if any(r.params.logprobs is not None for r in rows) else None
-        if any(r.params.min_tokens for r in rows):
-            logits = self._suppress_stops(logits, rows)
+        if any(r.params.min_tokens or r.params.bad_words_token_ids for r in rows):
+            logits = self._ban(logits, rows)
         if any(r.params.logit_bias for r in rows):
             logits = self._add_logit_bias(logits, rows)
         if any(r.params.has_penalties for r in rows):
@@ -173,17 +176,10 @@ class Sampler:
         keep = self.stage(np.stack([allowed[i] for i in masked]))
         return logits.index_put((index,), logits[index].masked_fill(~keep, float("-inf")))
 
-    def _suppress_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Below min_tokens, EOS and stop_token_ids cannot be sampled."""
-        banned = []
-        for r in rows:
-            ids = set()
-            if len(r.output_token_ids) < r.params.min_tokens:
-                ids |= r.params.stop_token_set
-                if r.eos_token_id is not None:
-                    ids.add(r.eos_token_id)
-            banned.append(sorted(ids))
-        index = self._entries(banned)
+    def _ban(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Tokens a row may not sample now: below min_tokens, EOS and stop_token_ids; and the
+        last token of any bad word whose other tokens the output ends with (vLLM's rule)."""
+        index = self._entries([sorted(_banned(r)) for r in rows])
         return logits.index_put(index, torch.full((), float("-inf"), device=logits.device))
 
     def _add_logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -259,6 +255,28 @@ def _entries(chosen: list[float], ranks: list[int], top_ids: Optional[list[list[
     return [None if n is None else TokenLogprobs(chosen[i], ranks[i], top_ids[i][:n] if n else [],
                                                  top_vals[i][:n] if n else [])
             for i, n in enumerate(counts)]
+
+
+def _banned(r: SamplingRow) -> set[int]:
+    params, ids = r.params, set()
+    num_output = len(r.token_ids) - r.num_prompt_tokens
+    if num_output < params.min_tokens:
+        ids |= params.stop_token_set
+        if r.eos_token_id is not None:
+            ids.add(r.eos_token_id)
+    for word in params.bad_words_token_ids or ():
+        before = len(word) - 1  # the tokens the output must end with for the last to complete it
+        if before <= num_output and r.token_ids[len(r.token_ids) - before:] == word[:-1]:
+            ids.add(word[-1])
+    return ids
+
+
+def _allowed_ids_mask(r: SamplingRow, vocab: int) -> np.ndarray:
+    """allowed_token_ids as a [vocab] bool mask, built once per request."""
+    if r.allowed_mask is None:
+        r.allowed_mask = np.zeros(vocab, dtype=np.bool_)
+        r.allowed_mask[r.params.allowed_token_ids] = True
+    return r.allowed_mask
 
 
 def logprobs_in_c(kernels, logits: torch.Tensor, tokens: torch.Tensor,

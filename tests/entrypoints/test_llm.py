@@ -623,3 +623,65 @@ def test_embed_is_the_last_tokens_final_hidden_state_normalised(model_dirs, arch
                          + [SamplingParams(max_tokens=1, temperature=0, embed=True)] * 2, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mixed[:2]] == [o.outputs[0].token_ids for o in alone]
     assert [o.embedding is None for o in mixed] == [True, True, False, False]
+
+
+# -- vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens -----------------------------
+
+
+def test_allowed_token_ids_hold_every_sampled_token(llm):
+    allowed = [5, 17, 230, 383]
+    for params in (greedy(12, allowed_token_ids=allowed),
+                   SamplingParams(temperature=1.5, seed=2, max_tokens=12, ignore_eos=True, allowed_token_ids=allowed)):
+        out = only(llm.generate("Hello world", params, use_tqdm=False))
+        assert len(out.token_ids) == 12 and set(out.token_ids) <= set(allowed)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate("Hello world", greedy(allowed_token_ids=[10 ** 7]), use_tqdm=False)
+    with pytest.raises(ValueError, match="at least one"):
+        greedy(allowed_token_ids=[])
+    assert_clean(llm)
+
+
+def contains(ids: list[int], part: list[int]) -> bool:
+    return any(ids[i:i + len(part)] == part for i in range(len(ids) - len(part) + 1))
+
+
+def test_bad_words_never_appear_in_the_output(llm, tok):
+    free = only(llm.generate(PROMPTS[2], greedy(24), use_tqdm=False))
+    # words of the greedy output: one token's text and two tokens' text
+    words = [tok.decode(free.token_ids[3:4]).strip() or "x", tok.decode(free.token_ids[8:10]).strip() or "y"]
+    sequences = llm.input_processor.bad_words_token_ids(words)
+    assert sequences and any(contains(free.token_ids, ids) for ids in sequences)
+    banned = only(llm.generate(PROMPTS[2], greedy(24, bad_words=words), use_tqdm=False))
+    assert len(banned.token_ids) == 24
+    assert not any(contains(banned.token_ids, ids) for ids in sequences)
+    # each is tokenized as it begins a text and, where that differs, after a space
+    assert sequences[0] == tok.encode(words[0], add_special_tokens=False)
+    with pytest.raises(ValueError, match="bad_words"):
+        greedy(bad_words=["  "])
+    assert_clean(llm)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, small_llm, tok):
+    ids = tok.encode(" ".join(PROMPTS), add_special_tokens=False)
+    assert len(ids) > 20
+    out = llm.generate(ids, greedy(8, truncate_prompt_tokens=10), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-10:]
+    assert out.outputs[0].token_ids == only(llm.generate(ids[-10:], greedy(8), use_tqdm=False)).token_ids
+    text_out = llm.generate(" ".join(PROMPTS), greedy(8, truncate_prompt_tokens=10), use_tqdm=False)[0]
+    assert text_out.prompt_token_ids == tok.encode(" ".join(PROMPTS))[-10:]
+    short = llm.generate("Hello world", greedy(4, truncate_prompt_tokens=500), use_tqdm=False)[0]
+    assert short.prompt == "Hello world"  # nothing cut: the text stays
+    # a prompt longer than max_model_len (32) runs from its last tokens
+    long_ids = (ids * 3)[:60]
+    assert only(small_llm.generate(long_ids, greedy(4, truncate_prompt_tokens=20), use_tqdm=False)).token_ids
+    with pytest.raises(ValueError, match="max_model_len"):
+        small_llm.generate(long_ids, greedy(4, truncate_prompt_tokens=33), use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        greedy(truncate_prompt_tokens=0)
+    # -1 keeps max_model_len tokens: room for an embedding, which generates nothing
+    embedded = small_llm.embed([long_ids], use_tqdm=False, truncate_prompt_tokens=-1)[0]
+    assert embedded.prompt_token_ids == long_ids[-32:]
+    assert embedded.outputs.embedding == pytest.approx(
+        small_llm.embed([long_ids[-32:]], use_tqdm=False)[0].outputs.embedding, abs=1e-6)
+    assert_clean(llm)
+    assert_clean(small_llm)

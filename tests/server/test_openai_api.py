@@ -804,6 +804,47 @@ def test_embeddings_are_the_offline_engines(client, server, offline):
         len(offline.get_tokenizer().encode(t)) for t in texts)
     for body, param in (({"input": []}, "input"), ({"input": ""}, "input"), ({"input": [[10 ** 6]]}, "input"),
                         ({"input": "x " * 600}, "input"), ({"input": "x", "dimensions": 8}, "dimensions"),
-                        ({"input": "x", "encoding_format": "int8"}, "encoding_format")):
+                        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+                        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                        ({"input": "x", "truncate_prompt_tokens": "8"}, "truncate_prompt_tokens"),
+                        ({"input": "x", "truncate_prompt_tokens": 10 ** 6}, "truncate_prompt_tokens")):
         status, error = post(server + "/v1/embeddings", body)
+        assert status == 400 and error["error"]["param"] == param, (body, error)
+    # vLLM's truncate_prompt_tokens: the last max_model_len tokens of a longer input (-1), or the last k
+    long = offline.get_tokenizer().encode("x " * 600)
+    max_len = offline.config.model.max_model_len
+    for k, kept in ((-1, max_len), (7, 7)):
+        reply = client.embeddings.create(model="tiny", input=long, extra_body={"truncate_prompt_tokens": k})
+        assert reply.usage.prompt_tokens == kept
+        assert reply.data[0].embedding == pytest.approx(
+            offline.embed([long[-kept:]], use_tqdm=False)[0].outputs.embedding, abs=1e-5)
+
+
+def test_vllms_allowed_token_ids_bad_words_and_truncation_are_served(client, server, offline):
+    """allowed_token_ids, bad_words and truncate_prompt_tokens (vLLM's extras) served as LLM.generate
+    runs them, in completions and chats; bad values are 400s naming the field."""
+    tok = offline.get_tokenizer()
+    prompt = "The quick brown fox jumps over the lazy dog and"
+    free = offline.generate(prompt, SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0].outputs[0]
+    extras = [{"allowed_token_ids": [3, 50, 77, 120]}, {"bad_words": [tok.decode(free.token_ids[1:2]).strip() or "x"]},
+              {"truncate_prompt_tokens": 4}]
+    for extra in extras:
+        expected = offline.generate(prompt, SamplingParams(max_tokens=10, temperature=0, **extra),
+                                    use_tqdm=False)[0]
+        served = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                           extra_body=extra)
+        assert served.choices[0].text == expected.outputs[0].text, extra
+        assert served.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert expected.outputs[0].token_ids != free.token_ids or len(expected.prompt_token_ids) == 4
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=6, temperature=0, extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    for body, param in (({"allowed_token_ids": []}, "allowed_token_ids"),
+                        ({"allowed_token_ids": [10 ** 6]}, "allowed_token_ids"),
+                        ({"allowed_token_ids": "5"}, "allowed_token_ids"),
+                        ({"allowed_token_ids": [5], "response_format": {"type": "json_object"}}, "allowed_token_ids"),
+                        ({"bad_words": "x"}, "bad_words"), ({"bad_words": [1]}, "bad_words"),
+                        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+                        ({"truncate_prompt_tokens": 10 ** 6}, "truncate_prompt_tokens")):
+        status, error = post(server + "/v1/completions", {"prompt": prompt, **body})
         assert status == 400 and error["error"]["param"] == param, (body, error)

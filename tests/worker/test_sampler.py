@@ -415,6 +415,40 @@ def test_min_tokens_never_samples_stops_and_leaves_other_rows_alone():
     assert {eos, stop} <= set(tokens[1000:])
 
 
+# -- allowed_token_ids and bad_words (vLLM's) --------------------------------------------------
+
+
+def test_allowed_token_ids_are_all_a_row_samples_and_its_logprobs_are_theirs():
+    logits = torch.tensor([0.0, 5.0, 1.0, 2.0, 9.0, 0.5]).expand(600, -1).clone()
+    allowed = SamplingParams(temperature=1.0, allowed_token_ids=[0, 2, 3], logprobs=1)
+    rows = [make_row(allowed, req_id=f"a{i}") for i in range(300)]
+    rows += [make_row(SamplingParams(temperature=1.0), req_id=f"b{i}") for i in range(300)]
+    tokens, logprobs = Sampler(CPU, seed=0)(logits, rows)
+    assert set(tokens[:300]) == {0, 2, 3}
+    assert 4 in tokens[300:]  # the other rows keep the whole vocabulary
+    expected = torch.log_softmax(torch.tensor([0.0, 1.0, 2.0]), -1)
+    for token, lp in zip(tokens[:3], logprobs[:3]):
+        assert lp.sampled_logprob == pytest.approx(expected[[0, 2, 3].index(token)].item(), abs=1e-5)
+    row = make_row(SamplingParams(temperature=0.0, allowed_token_ids=[5, 2]))
+    assert Sampler(CPU, seed=0)(logits[:1], [row])[0] == [2]
+
+
+@pytest.mark.parametrize("output, banned", [
+    ((), {7}),            # a one-token word is never sampled; the two-token word has no start yet
+    ((3,), {7, 4}),       # after 3, the 4 that would complete [3, 4] is banned
+    ((3, 1), {7}),        # the output must end with the word's other tokens
+    ((1, 3), {7, 4}),
+])
+def test_bad_words_ban_the_token_that_would_complete_one(output, banned):
+    params = SamplingParams(temperature=0, bad_words=["x"], bad_words_token_ids=[[7], [3, 4]])
+    for token in (7, 4, 2):
+        logits = torch.zeros(1, 8)
+        logits[0, token] = 10.0
+        row = make_row(params, prompt=[3], output=output)  # the prompt's 3 does not count
+        chosen = Sampler(CPU, seed=0)(logits, [row])[0][0]
+        assert (chosen != token) == (token in banned), (token, output)
+
+
 
 # -- vLLM's V1 details, and no sync but the result -----------------------------------
 
