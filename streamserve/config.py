@@ -183,6 +183,9 @@ class SchedulerConfig:
     """The per-step budget. Chunked prefill is always on."""
 
     max_num_seqs: int = field(default=256, metadata={"help": "most sequences in one step"})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "help": "fcfs (first come, first served) or priority (each request's priority, lower first, "
+                "then first come; a waiting request takes the place of a running one it outranks)"})
     max_num_batched_tokens: Optional[int] = field(default=None, metadata={
         "help": "most tokens in one step, which bounds how long a long prompt stalls the others' "
                 "streams (default: 256 on the CPU, 2048 on CUDA)"})
@@ -194,6 +197,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs ({self.max_num_seqs}) must be >= 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy {self.scheduling_policy!r} must be fcfs or priority")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= 1")
 

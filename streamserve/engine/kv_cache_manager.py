@@ -97,17 +97,12 @@ class KVCacheManager:
                     or end // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)):
                 return []
         computed = new_computed_blocks or []
+        num_new_blocks, num_free = self._blocks_wanted(request, num_new_tokens, computed)
+        if num_new_blocks > num_free:
+            return None
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = []
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
-        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = num_needed - len(req_blocks) - len(computed)
-        # Hit blocks sitting in the free queue stop being free once touched.
-        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_evictable_hits:
-            if not req_blocks:
-                del self.req_to_blocks[request.request_id]
-            return None
         if computed:
             self.block_pool.touch(computed)
             req_blocks.extend(computed)
@@ -117,6 +112,23 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
         return new_blocks
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     new_computed_blocks: Optional[list[KVCacheBlock]] = None) -> bool:
+        """Whether allocate_slots would give the request these slots now (it takes nothing)."""
+        num_new_blocks, num_free = self._blocks_wanted(request, num_new_tokens, new_computed_blocks or [])
+        return num_new_blocks <= num_free
+
+    def _blocks_wanted(self, request: Request, num_new_tokens: int,
+                       computed: list[KVCacheBlock]) -> tuple[int, int]:
+        """(new blocks the request needs for num_new_tokens more after its computed tokens and
+        the prefix hit `computed`, free blocks the pool has for them)."""
+        num_held = len(self.req_to_blocks.get(request.request_id, ()))
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        # Hit blocks sitting in the free queue stop being free once touched.
+        num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
+        return num_needed - num_held - len(computed), self.block_pool.num_free_blocks - num_evictable_hits
 
     def _cache_full_blocks(self, request: Request, req_blocks: list[KVCacheBlock],
                            num_scheduled_tokens: int) -> None:

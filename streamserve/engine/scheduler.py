@@ -8,10 +8,18 @@ leading blocks are cached starts with a smaller gap. Each step closes gaps under
 then waiting ones, first come first served. When the KV pool runs dry, the newest
 running request is preempted: its blocks go back and it returns to the front of
 the waiting queue, to be recomputed (through the prefix cache where it can).
+
+Under the priority policy (vLLM's --scheduling-policy priority) both queues are kept in
+rank order, (priority, arrival time), lower first: the running requests are served in
+that order and the last of them is the one preempted; the waiting ones start in that
+order. A waiting request of a lower priority value than the last running one also takes
+its place when it could not start beside it (no seat under max_num_seqs, or too few free
+blocks for its first chunk).
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
@@ -37,6 +45,7 @@ class Scheduler:
         self.max_num_seqs = config.scheduler.max_num_seqs
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = config.model.max_model_len
+        self.by_priority = config.scheduler.scheduling_policy == "priority"
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -53,7 +62,7 @@ class Scheduler:
         if request.structured_state is not None:
             self.vocabulary()
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
 
     def abort_request(self, request_id: str) -> bool:
         """Finish a request at any point and return its blocks. False if unknown."""
@@ -83,10 +92,14 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
         kv = self.kv_cache_manager
+        if self.by_priority:
+            self.running.sort(key=_rank)
+            self._make_room(preempted, budget)
+        short = False  # the running requests ran the pool dry: nobody starts this step
 
-        # 1. Running requests first, oldest first. (The scheduled tokens count as computed
-        # from here on: the step runs them.) Preemption takes from the end, never a
-        # request this loop has already scheduled.
+        # 1. Running requests first, oldest first (by rank, under the priority policy). (The
+        # scheduled tokens count as computed from here on: the step runs them.) Preemption
+        # takes from the end, never a request this loop has already scheduled.
         i, running = 0, self.running
         while i < len(running) and budget > 0:
             request = running[i]
@@ -97,6 +110,7 @@ class Scheduler:
                 victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
+                short = True
                 if victim is request:
                     break
                 new_blocks = kv.allocate_slots(request, num_new)
@@ -110,8 +124,9 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, first come first served, unless this step preempted.
-        while (self.waiting and budget > 0 and not preempted
+        # 2. Waiting requests, first come first served (by rank, under the priority policy),
+        # unless the running ones were short of blocks.
+        while (self.waiting and budget > 0 and not short
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             hit_blocks, num_hit = kv.get_computed_blocks(request)
@@ -169,13 +184,37 @@ class Scheduler:
                                                    request.sampling_params.stop_token_set)
         return masks
 
+    def _make_room(self, preempted: list[Request], budget: int) -> None:
+        """The priority policy: while the first waiting request has a lower priority value than
+        the last running one and could not start beside it, that one is preempted."""
+        kv, waiting, running = self.kv_cache_manager, self.waiting, self.running
+        while waiting and running and waiting[0].priority < running[-1].priority:
+            head = waiting[0]
+            if len(running) < self.max_num_seqs:
+                hit_blocks, num_hit = kv.get_computed_blocks(head)
+                if kv.can_allocate(head, min(head.num_tokens - num_hit, budget), hit_blocks):
+                    return
+            victim = running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: at its back (a preempted request at its front), or at its
+        place by rank under the priority policy."""
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=_rank)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -228,3 +267,8 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         self.finished_req_ids.add(request.request_id)
+
+
+def _rank(request: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority values first, then first come."""
+    return request.priority, request.arrival_time

@@ -41,14 +41,18 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        """priority: one per prompt, lower first, under the priority scheduling policy (vLLM's)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts: give one per prompt")
         request_ids = []
         try:
-            for prompt, params in zip(prompt_list, params_list):
+            for prompt, params, rank in zip(prompt_list, params_list, priorities):
                 text, ids = self.input_processor.truncate(*self.input_processor.tokenize(prompt), params)
-                request_ids.append(self._add_request(text, ids, params))
+                request_ids.append(self._add_request(text, ids, params, priority=rank))
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
             self._abort(request_ids)
@@ -93,11 +97,12 @@ class LLM:
         return params
 
     def _add_request(self, text: Optional[str], ids: list[int], params: SamplingParams,
-                     stream: bool = False) -> str:
+                     stream: bool = False, priority: int = 0) -> str:
         request_id = str(next(self._counter))
         self.input_processor.validate(ids, params)
+        self.input_processor.check_priority(priority)
         child_ids = self.output_processor.add_request(request_id, text, ids, params, stream)
-        for request in self.input_processor.process(child_ids, ids, params):
+        for request in self.input_processor.process(child_ids, ids, params, priority=priority):
             self.engine_core.add_request(request)
         return request_id
 

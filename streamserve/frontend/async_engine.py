@@ -111,10 +111,11 @@ class AsyncEngine:
     # -- requests (loop side) ------------------------------------------------------
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                       request_id: Optional[str] = None, prompt: Optional[str] = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None, prompt: Optional[str] = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Stream one request: each item holds what is new (text, token ids) per sample.
-        Closing the iterator early (a client went away) aborts the request."""
+        Closing the iterator early (a client went away) aborts the request. priority: under
+        the priority policy, lower runs first."""
         if not self.is_ready:
             raise EngineDeadError("the engine is not ready")
         taken = lambda rid: rid in self._queues or rid in self.output_processor.parents  # noqa: E731
@@ -125,12 +126,13 @@ class AsyncEngine:
         elif taken(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         self.input_processor.validate(prompt_token_ids, params)
+        self.input_processor.check_priority(priority)
         queue: asyncio.Queue = asyncio.Queue()
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params,
                                                      stream=True)
         self._queues[request_id] = queue
         self._send("add", self.input_processor.process(children, prompt_token_ids, params,
-                                                       time.monotonic()))
+                                                       time.monotonic(), priority))
         finished = False
         try:
             while not finished:

@@ -20,6 +20,7 @@ PromptType = Union[str, list[int], dict[str, Any]]
 class InputProcessor:
     def __init__(self, config: Config, renderer: Renderer, vocab_size: int) -> None:
         self.max_model_len = config.model.max_model_len
+        self.by_priority = config.scheduler.scheduling_policy == "priority"
         self.renderer = renderer
         self.vocab_size = vocab_size
         # The model's other end-of-sequence tokens (Llama 3's <|eom_id|>, ...): stop tokens
@@ -77,10 +78,19 @@ class InputProcessor:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
 
-    def process(self, child_ids: list[str], prompt_token_ids: list[int],
-                params: SamplingParams, arrival_time: Optional[float] = None) -> list[EngineCoreRequest]:
+    def check_priority(self, priority: Any) -> None:
+        """A request's priority: an integer, other than 0 only under the priority policy (as in vLLM)."""
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -2 ** 63 <= priority < 2 ** 63:
+            raise ParamError("priority must be an integer (a 64-bit one)", "priority")
+        if priority and not self.by_priority:
+            raise ParamError(f"priority {priority} asks for priority scheduling, which is off: "
+                             "start with --scheduling-policy priority", "priority")
+
+    def process(self, child_ids: list[str], prompt_token_ids: list[int], params: SamplingParams,
+                arrival_time: Optional[float] = None, priority: int = 0) -> list[EngineCoreRequest]:
         """One engine request per sample; with a seed, sample k draws from seed + k (mod 2^64)."""
         self.validate(prompt_token_ids, params)
+        self.check_priority(priority)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         eos = self.renderer.eos_token_id
         if self.extra_eos_ids and not params.ignore_eos and not self.extra_eos_ids <= params.stop_token_set:
@@ -94,7 +104,7 @@ class InputProcessor:
                 child_params = dataclasses.replace(params, seed=(params.seed + k) % 2 ** 64)
             if params.prompt_logprobs is not None and k:  # one sample scores the prompt for all
                 child_params = dataclasses.replace(child_params, prompt_logprobs=None)
-            requests.append(EngineCoreRequest(child_id, prompt_token_ids, child_params, eos, arrival))
+            requests.append(EngineCoreRequest(child_id, prompt_token_ids, child_params, eos, arrival, priority))
         return requests
 
 

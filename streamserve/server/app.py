@@ -301,6 +301,16 @@ async def tokenize(request: web.Request) -> web.Response:
     return json_response(reply)
 
 
+def request_priority(engine: AsyncEngine, body: dict[str, Any]) -> int:
+    """The body's vLLM priority (0 if none): lower runs first under --scheduling-policy priority."""
+    priority = body.get("priority", 0)
+    try:
+        engine.input_processor.check_priority(priority)
+    except ParamError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    return priority
+
+
 def encode_chat(engine: AsyncEngine, body: dict[str, Any], tools: Optional[list[dict[str, Any]]]) -> list[int]:
     """A chat body's messages (and checked tools) through the chat template, as its options
     say, to token IDs."""
@@ -369,6 +379,7 @@ class _Call:
                 self.prompts.append((prompt, self.engine.renderer.encode(prompt)) if isinstance(prompt, str)
                                     else (None, prompt))
         self.echo = protocol.echo_setting(body, chat)
+        self.priority = request_priority(self.engine, body)
         # echo with max_tokens 0 (scoring a text): the prompt alone comes back; one token is
         # generated, as vLLM does, and left out of the response
         self.echo_only = self.echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
@@ -441,7 +452,7 @@ class _Call:
 
     async def _observed(self, p: int, text: Optional[str], ids: list[int]) -> AsyncIterator[RequestOutput]:
         tracker = self.metrics.tracker(len(ids))
-        generate = self.engine.generate(ids, self.params, prompt=text)
+        generate = self.engine.generate(ids, self.params, prompt=text, priority=self.priority)
         async with contextlib.aclosing(generate) as deltas:
             async for delta in deltas:
                 tracker.observe(delta)

@@ -41,7 +41,7 @@ LOGPROBS = "message.output_text.logprobs"
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "logit_bias",
              "skip_special_tokens", "chat_template_kwargs", "parallel_tool_calls", "structured_outputs",
-             "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
+             "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "priority")
 # the chat body's fields that the Responses body names otherwise
 _CHAT_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text",
                "logprobs": "include"}

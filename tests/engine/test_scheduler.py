@@ -86,6 +86,64 @@ def test_preemption_takes_the_newest_running_request(llama_dir):
     assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (48, 0)
 
 
+def ranked(rid: str, priority: int, arrival: float, prompt_len: int = 16, max_tokens: int = 40,
+           start: int = 10) -> Request:
+    return Request(rid, list(range(start, start + prompt_len)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   EOS, max_model_len=512, arrival_time=arrival, priority=priority)
+
+
+def test_the_priority_policy_starts_waiting_requests_by_rank(llama_dir):
+    sched = make_scheduler(llama_dir, max_num_seqs=1, scheduling_policy="priority")
+    for rid, priority, arrival in (("A", 1, 0.0), ("B", 0, 2.0), ("C", 0, 1.0), ("D", -5, 3.0)):
+        sched.add_request(ranked(rid, priority, arrival, prompt_len=4, max_tokens=2))
+    started = []
+    while sched.has_unfinished_requests():
+        out, _ = run_step(sched)
+        started += [r.req_id for r in out.scheduled_new_reqs]
+    assert started == ["D", "C", "B", "A"]  # lower priority first, then the earlier arrival
+    fcfs = make_scheduler(llama_dir, max_num_seqs=1)  # (the default policy ignores priorities)
+    for rid, priority, arrival in (("A", 1, 0.0), ("B", 0, 2.0)):
+        fcfs.add_request(ranked(rid, priority, arrival, prompt_len=4, max_tokens=2))
+    assert [r.req_id for r in fcfs.schedule().scheduled_new_reqs] == ["A"]
+
+
+def test_the_priority_policy_preempts_the_lowest_ranked_running_request(llama_dir):
+    # as in the test above, but C (the newest) outranks B: B is the one preempted
+    sched = make_scheduler(llama_dir, num_blocks=4, block_size=16, scheduling_policy="priority")
+    for rid, priority, arrival, start in (("A", 0, 0.0, 10), ("B", 2, 1.0, 100), ("C", 1, 2.0, 200)):
+        sched.add_request(ranked(rid, priority, arrival, start=start))
+    run_step(sched)
+    out, _ = run_step(sched)  # A, then C, take blocks (served by rank): B is preempted
+    assert out.preempted_req_ids == ["B"] and list(out.num_scheduled_tokens) == ["A", "C"]
+    assert sched.waiting[0].request_id == "B" and sched.num_preemptions == 1
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert sched.kv_cache_manager.num_free_blocks == 4
+
+
+@pytest.mark.parametrize("limit", ["seats", "blocks"])
+def test_a_waiting_request_takes_the_place_of_a_running_one_it_outranks(llama_dir, limit):
+    """No seat under max_num_seqs, or too few free blocks: the last running request of a higher
+    priority value gives its place; one of the same priority does not."""
+    settings = dict(max_num_seqs=2) if limit == "seats" else dict(num_blocks=5, block_size=16)
+    sched = make_scheduler(llama_dir, scheduling_policy="priority", **settings)
+    size = 16 if limit == "seats" else 24  # (two blocks each: two such fit the pool, with one block spare)
+    sched.add_request(ranked("A", 1, 0.0, prompt_len=size))
+    sched.add_request(ranked("B", 1, 1.0, prompt_len=size, start=100))
+    run_step(sched)
+    sched.add_request(ranked("C", 1, 2.0, prompt_len=size, start=200))  # the same priority: it waits
+    out, _ = run_step(sched)
+    assert not out.preempted_req_ids and set(out.num_scheduled_tokens) == {"A", "B"}
+    sched.add_request(ranked("D", 0, 3.0, prompt_len=size, start=300))  # it outranks B
+    out, _ = run_step(sched)
+    assert out.preempted_req_ids == ["B"]
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["D"]
+    assert [r.request_id for r in sched.waiting] == ["B", "C"]
+    while sched.has_unfinished_requests():
+        run_step(sched)
+    assert sched.kv_cache_manager.num_free_blocks == sched.kv_cache_manager.num_blocks
+
+
 def test_abort_frees_blocks_at_any_point(llama_dir):
     sched = make_scheduler(llama_dir, max_num_batched_tokens=8)
     sched.add_request(make_request("A", 20, 5))

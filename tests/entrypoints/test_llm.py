@@ -685,3 +685,22 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, small_llm, tok):
         small_llm.embed([long_ids[-32:]], use_tqdm=False)[0].outputs.embedding, abs=1e-6)
     assert_clean(llm)
     assert_clean(small_llm)
+
+
+def test_priorities_reach_the_scheduler_under_the_priority_policy(llama_dir, llm):
+    ranked = LLM(llama_dir, dtype="float32", kv_cache_memory="8MiB", max_num_seqs=1, scheduling_policy="priority")
+    ids = [ranked._add_request(None, ranked.input_processor.tokenize(p)[1], greedy(6), priority=rank)
+           for p, rank in zip(PROMPTS[:3], (2, -1, 0))]
+    assert [r.priority for r in ranked.engine_core.scheduler.waiting] == [-1, 0, 2]
+    outputs = ranked._run_engine(ids, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [
+        o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], greedy(6), use_tqdm=False)]
+    again = ranked.generate(PROMPTS[:2], greedy(3), use_tqdm=False, priority=[5, 1])
+    assert len(again) == 2 and all(len(o.outputs[0].token_ids) == 3 for o in again)
+    with pytest.raises(ValueError, match="one per prompt"):
+        ranked.generate(PROMPTS[:2], greedy(3), use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="scheduling-policy priority"):  # off by default, as in vLLM
+        llm.generate(PROMPTS[:1], greedy(3), use_tqdm=False, priority=[1])
+    assert llm.generate(PROMPTS[:1], greedy(3), use_tqdm=False, priority=[0])
+    assert_clean(ranked)
+    assert_clean(llm)

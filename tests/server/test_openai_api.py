@@ -438,6 +438,8 @@ def test_more_bad_requests_are_400_with_the_field_named(server):
              ({"prompt": "hi", "logit_bias": {"1000000": 1}}, "logit_bias"),
              ({"prompt": "hi", "top_p": 0}, "top_p"), ({"prompt": "hi", "min_p": 2}, "min_p"),
              ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+             ({"prompt": "hi", "priority": 1}, "priority"),  # (the server runs first come, first served)
+             ({"prompt": "hi", "priority": "1"}, "priority"), ({"prompt": "hi", "priority": 2 ** 63}, "priority"),
              ({"prompt": [10 ** 6]}, "prompt"),
              # what the server cannot honour is refused, not quietly ignored
              ({"prompt": "hi", "suffix": "end"}, "suffix"), ({"prompt": "hi", "best_of": 3}, "best_of")]

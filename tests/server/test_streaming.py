@@ -395,3 +395,35 @@ def test_a_drain_waits_for_a_call_not_yet_in_the_engine(llama_dir):
     left, finished_first, result, refused = asyncio.run(main())
     assert left == 0 and finished_first and result == (200, "length")
     assert refused == (503, "service_unavailable")
+
+
+def test_a_request_of_a_lower_priority_value_takes_the_seat_of_a_running_stream(llama_dir):
+    """--scheduling-policy priority with one seat: a priority-0 request sent while a priority-5
+    stream runs is answered while that stream waits (preempted), which then runs to its end."""
+
+    async def main():
+        runner, engine, url = await start(llama_dir, scheduling_policy="priority", max_num_seqs=1)
+        slow_steps(engine, 0.01)
+        async with aiohttp.ClientSession() as session:
+            low = await session.post(url + "/v1/completions", json={
+                "prompt": "hello " * 10, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}, "priority": 5})
+            assert low.status == 200
+            await low.content.readline()  # it runs
+            async with session.post(url + "/v1/completions", json={
+                    "prompt": "Paris", "max_tokens": 5, "temperature": 0, "priority": 0}) as r:
+                high = await r.json()
+            preempted_meanwhile = engine.engine_core.scheduler.num_preemptions
+            low_running = engine.engine_core.has_unfinished_requests()
+            usage = None
+            async for line in low.content:
+                line = line.decode().strip()
+                if line.startswith("data: {"):
+                    usage = json.loads(line[6:]).get("usage") or usage
+        await runner.cleanup()
+        return high, preempted_meanwhile, low_running, usage
+
+    high, preempted, low_running, usage = asyncio.run(main())
+    assert high["usage"]["completion_tokens"] == 5
+    assert preempted >= 1 and low_running  # it took the stream's seat, and the stream went on after
+    assert usage["completion_tokens"] == 200
