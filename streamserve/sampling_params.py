@@ -22,21 +22,26 @@ class ParamError(ValueError):
 class StructuredOutputsParams:
     """Constrained decoding (vLLM's names), one of: `json`, a JSON schema (a dict or its text)
     that the output is one value of (the OpenAI API's response_format {"type": "json_schema"});
-    `choice`, strings the output is exactly one of; `json_object=True`, the output is one JSON
-    object (response_format {"type": "json_object"}). It ends with EOS once it is whole.
-    What a schema may say: engine/structured_output.py."""
+    `choice`, strings the output is exactly one of; `regex`, a regular expression the output
+    matches whole; `json_object=True`, the output is one JSON object (response_format
+    {"type": "json_object"}). It ends with EOS once it is whole. What a schema may say:
+    engine/structured_output.py; a regex: engine/regex.py."""
 
     json: Optional[Union[str, dict]] = None
     choice: Optional[list[str]] = None
     json_object: bool = False
+    regex: Optional[str] = None
 
     def __post_init__(self) -> None:
         from streamserve.engine.structured_output import SchemaError, start_states
 
-        given = [self.json is not None, self.choice is not None, self.json_object is not False]
+        given = [self.json is not None, self.choice is not None, self.json_object is not False,
+                 self.regex is not None]
         if sum(given) != 1:
-            raise ParamError("structured_outputs takes one of json (a JSON schema), choice (a list of strings) "
-                             "or json_object=True", "structured_outputs")
+            raise ParamError("structured_outputs takes one of json (a JSON schema), choice (a list of strings), "
+                             "regex (a regular expression) or json_object=True", "structured_outputs")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ParamError("regex must be a string (a regular expression)", "structured_outputs")
         if type(self.json_object) is not bool:
             raise ParamError("json_object must be true or false", "structured_outputs")
         if self.choice is not None and not (isinstance(self.choice, list) and self.choice

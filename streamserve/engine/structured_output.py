@@ -44,13 +44,17 @@ from typing import Any, Optional
 
 import numpy as np
 
+from streamserve.engine.regex import Regex, RegexError, compile_regex
+
 logger = logging.getLogger(__name__)
 
 MAX_WHITESPACE = 64  # whitespace characters in a row, anywhere outside strings
 MASK_CACHE_SIZE = 1024  # masks kept (bytes each: the vocabulary size)
+TRIE_CACHE_SIZE = 8  # regexes whose token tries a Vocabulary keeps
 SCHEMA_CACHE_SIZE = 64  # compiled schemas kept (by their text): requests alike share nodes and masks
 MAX_SCHEMA_DEPTH = 64  # schemas nested deeper are refused (a $ref cycle is no nesting)
 MAX_ALTERNATIVES = 1024  # properties of an object, values of an enum, strings of a choice, anyOf's schemas
+MAX_LENGTH_BOUND = 4096  # a string's minLength / maxLength: one regex state per character counted
 MAX_STATES = 64  # states alive at once: past it the latest are dropped (what is left stays valid)
 
 
@@ -66,16 +70,17 @@ OBJECT, ARRAY, STRING_VALUE, NUMBER, INTEGER, LITERALS, UNION = range(7)
 class Node:
     """What a value at one place may be. OBJECT: `keys` (JSON-encoded, in order) with their
     `values` and whether each is `required`, or with no keys, `extra`: the values of any keys
-    (None: none); ARRAY: `item`, `min_items`, `max_items` (None: any); LITERALS: the values'
-    exact `texts`; UNION: `alternatives`."""
+    (None: none); ARRAY: `item`, `min_items`, `max_items` (None: any); STRING_VALUE: the
+    `pattern` (a Regex) its text matches whole, or None; LITERALS: the values' exact `texts`;
+    UNION: `alternatives`."""
 
     __slots__ = ("kind", "keys", "values", "required", "extra", "item", "min_items", "max_items", "texts",
-                 "alternatives", "next_required", "cap", "by_first")
+                 "alternatives", "next_required", "cap", "by_first", "pattern")
 
     def __init__(self, kind: int, **fields: Any) -> None:
         self.kind = kind
         self.keys, self.values, self.required = (), (), ()
-        self.extra = self.item = self.max_items = None
+        self.extra = self.item = self.max_items = self.pattern = None
         self.min_items = 0
         self.texts, self.alternatives = frozenset(), ()
         self.by_first: Optional[dict[str, tuple[Node, ...]]] = None  # a union's alternatives by first character
@@ -116,7 +121,7 @@ _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schem
                           "readOnly", "writeOnly", "format", "$defs", "definitions", "contentEncoding",
                           "contentMediaType", "strict"})
 _KEYWORDS = _ANNOTATIONS | {"type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-                            "enum", "const", "anyOf", "oneOf", "allOf", "$ref"}
+                            "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "pattern", "minLength", "maxLength"}
 _TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 
 
@@ -241,7 +246,34 @@ class _Compiler:
             return self.array(rules, where, depth)
         if kind in ("boolean", "null"):
             return Node(LITERALS, texts=frozenset(("true", "false") if kind == "boolean" else ("null",)))
-        return Node({"string": STRING_VALUE, "number": NUMBER, "integer": INTEGER}[kind])
+        if kind == "string":
+            return Node(STRING_VALUE, pattern=self.string_pattern(rules, where))
+        return Node({"number": NUMBER, "integer": INTEGER}[kind])
+
+    def string_pattern(self, rules: dict, where: str) -> Optional[Regex]:
+        """A string's pattern, or its minLength / maxLength as one ([\\s\\S]{m,n}); None: any text.
+        The pattern is matched whole (as vLLM's grammars match it), which also satisfies JSON
+        Schema's search for it anywhere in the text."""
+        pattern, low, high = rules.get("pattern"), rules.get("minLength"), rules.get("maxLength")
+        for name, bound in (("minLength", low), ("maxLength", high)):
+            if bound is not None and not (isinstance(bound, int) and not isinstance(bound, bool) and bound >= 0):
+                raise SchemaError(f"{where}: {name} must be a non-negative integer")
+            if bound is not None and bound > MAX_LENGTH_BOUND:
+                raise SchemaError(f"{where}: {name} {bound} is past what is supported ({MAX_LENGTH_BOUND})")
+        if pattern is not None and (low is not None or high is not None):
+            raise SchemaError(f"{where}: pattern beside minLength or maxLength is not supported")
+        if low is not None or high is not None:
+            if high is not None and (low or 0) > high:
+                raise SchemaError(f"{where}: minLength ({low}) is more than maxLength ({high})")
+            pattern = "[\\s\\S]{%d,%s}" % (low or 0, "" if high is None else high)
+        elif pattern is None:
+            return None
+        elif not isinstance(pattern, str):
+            raise SchemaError(f"{where}: pattern must be a string (a regular expression)")
+        try:
+            return compile_regex(pattern)
+        except RegexError as exc:
+            raise SchemaError(f"{where}: {exc}") from None
 
     def object(self, rules: dict, where: str, depth: int) -> Node:
         properties = rules.get("properties", {})
@@ -369,9 +401,11 @@ def compile_schema(schema: Any) -> Node:
 
 # Modes. A state is (mode, stack, aux, whitespace run); stack holds the open containers as
 # (node, progress); aux is the mode's detail: the node of the value to come (VALUE, COLON), a
-# string's kind, a key's text so far, a number's integer-ness, a literal's possible rests.
+# string's kind (KEY_STRING, VALUE_STRING, or a pattern's (Regex, its state) for a value held
+# to one), a key's text so far, a number's integer-ness, a literal's possible rests, a regex's
+# (Regex, its state) (REGEX: the whole output held to a regex, vLLM's structured_outputs regex).
 (VALUE, ARRAY_FIRST, OBJECT_FIRST, KEY, KEY_TEXT, COLON, AFTER_VALUE, DONE, STRING, ESCAPE, UNICODE,
- NUM_MINUS, NUM_ZERO, NUM_INT, FRAC_FIRST, FRAC, EXP_FIRST, EXP_SIGN, EXP, LITERAL) = range(20)
+ NUM_MINUS, NUM_ZERO, NUM_INT, FRAC_FIRST, FRAC, EXP_FIRST, EXP_SIGN, EXP, LITERAL, REGEX) = range(21)
 KEY_STRING, VALUE_STRING = 0, 1
 State = tuple  # (mode, stack: tuple of (Node, int), aux, whitespace: int)
 States = tuple  # the states alive at once (usually one)
@@ -380,6 +414,7 @@ FINISHED: State = (DONE, (), None, 0)
 _WHITESPACE = frozenset(" \t\n\r")
 _WS_MODES = frozenset({VALUE, ARRAY_FIRST, OBJECT_FIRST, KEY, COLON, AFTER_VALUE})
 _ESCAPES = frozenset('"\\/bfnrt')
+_UNESCAPED = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _HEX = frozenset("0123456789abcdefABCDEF")
 _DIGITS = frozenset("0123456789")
 _NUMBER_ENDS = frozenset({NUM_ZERO, NUM_INT, FRAC, EXP})
@@ -400,6 +435,14 @@ def start_choice(choices: list[str]) -> States:
 START = start(ANY_OBJECT)  # JSON mode
 
 
+def start_regex(pattern: str) -> States:
+    """The states before an output that matches `pattern` whole."""
+    try:
+        return ((REGEX, (), (compile_regex(pattern), 0), 0),)
+    except RegexError as exc:
+        raise SchemaError(str(exc)) from None
+
+
 def start_states(params) -> States:
     """The states before the output of a StructuredOutputsParams (its schema compiled, or
     found compiled: raises SchemaError for one this module cannot hold an output to)."""
@@ -407,13 +450,18 @@ def start_states(params) -> States:
         return start(compile_schema(params.json))
     if params.choice is not None:
         return start_choice(params.choice)
+    if params.regex is not None:
+        return start_regex(params.regex)
     return START
 
 
 def accepting(state: State) -> bool:
     """Whether the output may end here: the value is whole (a top-level number or a literal
-    that another could still extend, as 1 or 12, may also end at EOS)."""
+    that another could still extend, as 1 or 12, may also end at EOS), or the text matches
+    the regex."""
     mode, stack, aux, _ = state
+    if mode == REGEX:
+        return aux[0].accepting(aux[1])
     return mode == DONE or not stack and (mode in _NUMBER_ENDS or mode == LITERAL and "" in aux)
 
 
@@ -422,10 +470,17 @@ def step(state: State, ch: str) -> States:
     mode, stack, aux, ws = state
     if mode == STRING:
         if ch == '"':
-            return ((COLON, stack, stack[-1][0].extra, 0),) if aux == KEY_STRING else (_after_value(stack),)
-        if ch == "\\":
-            return ((ESCAPE, stack, aux, 0),)
-        return (state,) if ch >= " " else ()
+            if aux == KEY_STRING:
+                return ((COLON, stack, stack[-1][0].extra, 0),)
+            return (_after_value(stack),) if type(aux) is int or aux[0].accepting(aux[1]) else ()
+        if ch == "\\":  # (in a patterned string, where some character could follow)
+            return ((ESCAPE, stack, aux, 0),) if type(aux) is int or _takes_any(aux, 0, 0xFFFF) else ()
+        if ch < " ":
+            return ()
+        return (state,) if type(aux) is int else _pattern_step(stack, aux, ch)
+    if mode == REGEX:
+        after = aux[0].step(aux[1], ch)
+        return () if after is None else ((REGEX, stack, (aux[0], after), 0),)
     if ch in _WHITESPACE and mode in _WS_MODES:
         return ((mode, stack, aux, ws + 1),) if ws < MAX_WHITESPACE else ()
     if mode == VALUE:
@@ -436,13 +491,24 @@ def step(state: State, ch: str) -> States:
         return ((VALUE, stack, aux, 0),) if ch == ":" else ()
     if mode == ESCAPE:
         if ch == "u":
-            return ((UNICODE, stack, (aux, 4), 0),)
-        return ((STRING, stack, aux, 0),) if ch in _ESCAPES else ()
+            if type(aux) is int:
+                return ((UNICODE, stack, (aux, 4), 0),)
+            return ((UNICODE, stack, (aux, 4, 0), 0),) if _takes_any(aux, 0, 0xFFFF) else ()
+        if ch not in _ESCAPES:
+            return ()
+        return ((STRING, stack, aux, 0),) if type(aux) is int else _pattern_step(stack, aux, _UNESCAPED[ch])
     if mode == UNICODE:
-        kind, left = aux
+        kind, left = aux[0], aux[1]
         if ch not in _HEX:
             return ()
-        return ((STRING, stack, kind, 0),) if left == 1 else ((UNICODE, stack, (kind, left - 1), 0),)
+        if type(kind) is int:
+            return ((STRING, stack, kind, 0),) if left == 1 else ((UNICODE, stack, (kind, left - 1), 0),)
+        code = aux[2] * 16 + int(ch, 16)  # a patterned string's: the character is read whole
+        if left > 1:  # where some character of the codes this prefix leaves open could follow
+            span = 16 ** (left - 1)
+            return ((UNICODE, stack, (kind, left - 1, code), 0),) \
+                if _takes_any(kind, code * span, code * span + span - 1) else ()
+        return _pattern_step(stack, kind, chr(code)) if _takes_any(kind, code, code) else ()
     if mode == LITERAL:
         rests = _literal_rests(aux, ch)
         if rests:
@@ -452,6 +518,22 @@ def step(state: State, ch: str) -> States:
     if mode == DONE:
         return ()
     return _number(mode, stack, aux, ch)
+
+
+def _takes_any(aux: tuple, low: int, high: int) -> bool:
+    """Whether a patterned string's regex takes some character of code point low to high that
+    a JSON escape can write: not a surrogate, which is half of a character (its regex state
+    would count it as one)."""
+    regex, state = aux
+    return (low < 0xD800 and regex.takes_any(state, low, min(high, 0xD7FF))
+            or high > 0xDFFF and regex.takes_any(state, max(low, 0xE000), high))
+
+
+def _pattern_step(stack: tuple, aux: tuple, ch: str) -> States:
+    """A patterned string's states after one more character of its text (unescaped)."""
+    regex, state = aux
+    after = regex.step(state, ch)
+    return () if after is None else ((STRING, stack, (regex, after), 0),)
 
 
 def _value(stack: tuple, node: Node, ch: str) -> States:
@@ -471,7 +553,9 @@ def _value(stack: tuple, node: Node, ch: str) -> States:
     if kind == ARRAY:
         return ((ARRAY_FIRST, stack + ((node, 0),), None, 0),) if ch == "[" else ()
     if kind == STRING_VALUE:
-        return ((STRING, stack, VALUE_STRING, 0),) if ch == '"' else ()
+        if ch != '"':
+            return ()
+        return ((STRING, stack, VALUE_STRING if node.pattern is None else (node.pattern, 0), 0),)
     if kind == LITERALS:
         rests = _literal_rests(node.texts, ch)
         return (_literal(stack, rests),) if rests else ()
@@ -623,6 +707,7 @@ class Vocabulary:
         self.stack_depth = most_closers + 1  # what of the stack a token can reach
         self.masks: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self.nothing = np.zeros(vocab_size, dtype=np.bool_)
+        self.tries: OrderedDict[tuple, _ClassTrie] = OrderedDict()
 
     def allowed(self, states: States, eos_token_id: Optional[int], stop_token_ids: frozenset[int]) -> np.ndarray:
         """A [vocab_size] bool mask of the tokens allowed after the output so far (not to be
@@ -670,7 +755,15 @@ class Vocabulary:
         return mask
 
     def _build(self, state: State) -> np.ndarray:
-        if state[0] == STRING:
+        mode, aux = state[0], state[2]
+        if mode == REGEX or mode == STRING and type(aux) is not int:
+            # a regex's text: its tokens walk the automaton through a trie of their character
+            # classes (a string's plain tokens; those with quotes or escapes one by one, below)
+            regex, at = aux
+            mask = np.zeros(self.vocab_size, dtype=np.bool_)
+            mask[self._trie(regex, plain=mode == STRING).walk(regex, at)] = True
+            candidates = self.special if mode == STRING else []
+        elif mode == STRING:
             mask = self.plain_in_string.copy()
             candidates = self.special
         else:
@@ -685,6 +778,58 @@ class Vocabulary:
         for token_id in candidates:
             mask[token_id] = advance(states, texts[token_id]) is not None
         return mask
+
+
+    def _trie(self, regex: Regex, plain: bool) -> "_ClassTrie":
+        """The tokens (plain: those that stay inside a string) as a trie of `regex`'s classes."""
+        key = (regex, plain)
+        trie = self.tries.get(key)
+        if trie is None:
+            ids = np.flatnonzero(self.plain_in_string) if plain else [t for t, text in enumerate(self.texts) if text]
+            trie = self.tries[key] = _ClassTrie(regex, self.texts, ids)
+            if len(self.tries) > TRIE_CACHE_SIZE:
+                self.tries.popitem(last=False)
+        else:
+            self.tries.move_to_end(key)
+        return trie
+
+
+class _ClassTrie:
+    """Token texts as sequences of a regex's character classes, in a trie: tokens alike to the
+    regex share a path, so a mask walks each distinct prefix once (49152 tokens of SmolLM2
+    under [A-Za-z ,.]{1,200}: ~2k nodes) rather than every token a character at a time."""
+
+    def __init__(self, regex: Regex, texts: list[str], token_ids) -> None:
+        self.children: list[dict[int, int]] = [{}]
+        self.ends: list[list[int]] = [[]]  # per node, the tokens whose text ends there
+        class_of = regex.class_of
+        for token_id in token_ids:
+            node = 0
+            for ch in texts[token_id]:
+                cls = class_of(ch)
+                child = self.children[node].get(cls)
+                if child is None:
+                    child = self.children[node][cls] = len(self.children)
+                    self.children.append({})
+                    self.ends.append([])
+                node = child
+            self.ends[node].append(int(token_id))
+
+    def walk(self, regex: Regex, state: int) -> list[int]:
+        """The tokens whose whole text the regex can read on from `state`."""
+        found: list[int] = []
+        children, ends, moves = self.children, self.ends, regex.moves
+        pending = [(0, state)]
+        while pending:
+            node, at = pending.pop()
+            after = moves(at)
+            for cls, child in children[node].items():
+                following = after.get(cls)
+                if following is not None:
+                    found += ends[child]
+                    if children[child]:
+                        pending.append((child, following))
+        return found
 
 
 def token_texts(tokenizer, vocab_size: int) -> list[str]:

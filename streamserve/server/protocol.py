@@ -94,7 +94,7 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
         raise bad_request(str(exc), exc.param) from None
 
 
-# vLLM's earlier names for structured_outputs' fields (regex and grammar are refused there)
+# vLLM's earlier names for structured_outputs' fields (grammar is refused there)
 _GUIDED = {"guided_json": "json", "guided_choice": "choice", "guided_regex": "regex", "guided_grammar": "grammar"}
 
 
@@ -113,11 +113,11 @@ def structured_outputs(body: dict[str, Any]) -> Optional[StructuredOutputsParams
         raise bad_request("give 'response_format' or 'structured_outputs', not both", "structured_outputs")
     if extra is not None:
         param = "structured_outputs"
-        unknown = sorted(set(extra) - {"json", "choice", "json_object"}) if isinstance(extra, dict) else None
+        unknown = sorted(set(extra) - {"json", "choice", "json_object", "regex"}) if isinstance(extra, dict) else None
         if unknown is None or unknown:
             raise bad_request("'structured_outputs' takes one of 'json' (a JSON schema), 'choice' (a list of "
-                              "strings) or 'json_object': true" + (f", not {', '.join(unknown)}" if unknown else ""),
-                              param)
+                              "strings), 'regex' (a regular expression) or 'json_object': true"
+                              + (f", not {', '.join(unknown)}" if unknown else ""), param)
         kwargs = extra
     elif fmt is None:
         return None

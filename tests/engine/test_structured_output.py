@@ -295,7 +295,11 @@ def test_a_schema_admits_its_values_in_order(index, text, ok):
 
 
 @pytest.mark.parametrize("schema, words", [
-    ({"type": "string", "pattern": "a+"}, "'pattern' is not supported"),
+    ({"type": "string", "pattern": "a(?=b)"}, "lookahead"), ({"type": "string", "pattern": 5}, "must be a string"),
+    ({"type": "string", "pattern": "a+", "maxLength": 3}, "pattern beside minLength"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, "more than maxLength"),
+    ({"type": "string", "minLength": -1}, "non-negative integer"),
+    ({"type": "string", "maxLength": 10 ** 6}, "maxLength 1000000 is past what is supported"),
     ({"type": "integer", "minimum": 0}, "'minimum'"),
     ({"type": "object", "properties": {"a": {}}, "additionalProperties": True}, "additionalProperties beside"),
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "'b'"),
@@ -426,3 +430,97 @@ def test_alike_alternatives_nested_deep_keep_a_bounded_number_of_states(vocabula
     text = "[" * 20 + "]" * 20
     assert complete(text, start)
     jsonschema.validate(json.loads(text), schema)
+
+
+# -- regular expressions: vLLM's structured_outputs regex, and a string's pattern / length ----
+
+
+def test_a_regex_output_is_a_prefix_until_it_matches_whole():
+    start = so.start_states(StructuredOutputsParams(regex=r"\d{4}-\d{2}-\d{2}( \w+)?"))
+    assert complete("2024-01-31", start) and complete("2024-01-31 noon", start)
+    assert so.advance(start, "2024-01-3") is not None and not complete("2024-01-3", start)
+    assert so.advance(start, "2024-1-") is None and so.advance(start, " 2024") is None
+    for regex, words in (("a(?=b)", "lookahead"), (r"(a)\1", "backreference"), ("a{3,2}", "min repeat greater than max"), (5, "string")):
+        with pytest.raises(ParamError, match=re.escape(words)):
+            StructuredOutputsParams(regex=regex)
+    with pytest.raises(ParamError, match="one of"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+
+
+@pytest.mark.parametrize("schema, text, ok", [
+    ({"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"}, '"bob@example.com"', True),
+    ({"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"}, '"bob@example.co"', False),
+    ({"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"}, '"Bob@example.com"', False),
+    ({"type": "string", "pattern": "a\nb|\"q\"|\\\\"}, '"a\\nb"', True),  # escapes are read as their characters
+    ({"type": "string", "pattern": "a\nb|\"q\"|\\\\"}, '"\\"q\\""', True),
+    ({"type": "string", "pattern": "a\nb|\"q\"|\\\\"}, '"\\\\"', True),
+    ({"type": "string", "pattern": "a\nb|\"q\"|\\\\"}, '"a\\u000ab"', True),
+    ({"type": "string", "pattern": "\u00e9+"}, '"\u00e9\\u00e9"', True),
+    ({"type": "string", "pattern": "\\d+"}, '"12a"', False),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, '"ab"', True),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, '"a\\"c"', True),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, '"a"', False),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, '"abcd"', False),
+    ({"type": "string", "maxLength": 1}, '"\\ud83d\\ude00"', False),  # a surrogate is half a character
+    ({"type": "string", "maxLength": 1}, '"\U0001f600"', True),
+    ({"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}\\d{3}$"},
+                                       "tag": {"type": "string", "maxLength": 2}}, "required": ["id"]},
+     '{"id": "AB123", "tag": "xy"}', True),
+    ({"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}\\d{3}$"}}}, '{"id": "AB12"}', False),
+])
+def test_a_strings_pattern_and_length_hold_its_text(schema, text, ok):
+    start = so.start(so.compile_schema(schema))
+    assert complete(text, start) == ok, text
+    if ok:  # and the value is one the schema admits, by JSON Schema's own reading
+        jsonschema = pytest.importorskip("jsonschema")
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_regex_and_pattern_masks_match_a_check_of_every_token(vocabulary):
+    stops = (2, frozenset())
+    cases = [(so.start_states(StructuredOutputsParams(regex=r"(yes|no)[.!]?|\d{1,3}")), ["", "y", "ye", "yes", "4"]),
+             (so.start(so.compile_schema({"type": "object", "properties": {
+                 "w": {"type": "string", "pattern": "^[a-z ]{0,12}$"}}, "required": ["w"]})),
+              ['{"w": "', '{"w": "ab c', '{"w": "abcdefghijkl', '{"w": "a\\'])]
+    for start, prefixes in cases:
+        for prefix in prefixes:
+            states = so.advance(start, prefix)
+            expected = np.array([bool(text) and so.advance(states, text) is not None for text in vocabulary.texts])
+            expected[2] = so.is_complete(states)
+            mask = vocabulary.allowed(states, *stops)
+            assert (mask == expected).all(), (prefix, [vocabulary.texts[i] for i in np.flatnonzero(mask != expected)])
+
+
+def test_regex_and_pattern_outputs_through_the_engine(llama_dir):
+    """A random model sampling under a regex writes text that re.fullmatch takes, ended with EOS;
+    under a schema with a pattern and lengths, JSON that jsonschema validates."""
+    jsonschema = pytest.importorskip("jsonschema")
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
+    regex = r"(red|green|blue)-\d{2,3}"
+    params = [SamplingParams(max_tokens=30, temperature=1.0, seed=seed,
+                             structured_outputs=StructuredOutputsParams(regex=regex)) for seed in range(6)]
+    for out in (o.outputs[0] for o in llm.generate(["hello"] * 6, params, use_tqdm=False)):
+        assert re.fullmatch(regex, out.text) and out.finish_reason == "stop", out.text
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-f0-9]{4}$"},
+                                               "name": {"type": "string", "minLength": 1, "maxLength": 6}},
+              "required": ["code", "name"], "additionalProperties": False}
+    texts = so.token_texts(llm.get_tokenizer(), 400)
+    no_spaces = {t: -100.0 for t, text in enumerate(texts) if text and text.isspace()}
+    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=seed, logit_bias=no_spaces,
+                             structured_outputs=StructuredOutputsParams(json=schema)) for seed in range(6)]
+    for out in (o.outputs[0] for o in llm.generate(["hello"] * 6, params, use_tqdm=False)):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_a_patterned_strings_escape_begins_only_where_its_character_could_follow():
+    """Every state a patterned string reaches can be finished: an escape begins only where the
+    regex takes another character, and each hex digit of \\u only where the codes it leaves
+    open hold one the regex takes (not a surrogate: half a character)."""
+    letters = so.start(so.compile_schema({"type": "string", "pattern": "^[a-z]{0,2}$"}))
+    assert so.advance(letters, '"\\u006') is not None and complete('"\\u0061\\u007a"', letters)
+    for dead in ('"\\uB', '"\\u01', '"\\u0041', '"ab\\', '"\\n'):
+        assert so.advance(letters, dead) is None, dead
+    anything = so.start(so.compile_schema({"type": "string", "maxLength": 1}))
+    assert so.advance(anything, '"\\uD8') is None and so.advance(anything, '"\\uD7') is not None
+    assert so.advance(anything, '"x\\') is None and complete('"\\t"', anything)

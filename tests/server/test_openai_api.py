@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import urllib.request
 
@@ -457,12 +458,13 @@ def test_more_bad_requests_are_400_with_the_field_named(server):
                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
                          "response_format"),
                         ({"response_format": {"type": "json_schema", "json_schema": {
-                            "name": "x", "schema": {"type": "string", "pattern": "a+"}}}}, "response_format"),
-                        ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+                            "name": "x", "schema": {"type": "string", "pattern": "a(?=b)"}}}}, "response_format"),
+                        ({"structured_outputs": {"regex": "a(?=b)"}}, "structured_outputs"),
+                        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
                         ({"structured_outputs": {"choice": []}}, "structured_outputs"),
                         ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "text"}},
                          "structured_outputs"),
-                        ({"guided_regex": "a+"}, "structured_outputs"),
+                        ({"guided_regex": "(a"}, "structured_outputs"),
                         ({"guided_json": {}, "guided_choice": ["a"]}, "guided_json"),
                         ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
                         ({"tools": [tool]}, "tool_choice"), ({"tools": [tool], "tool_choice": "auto"}, "tool_choice"),
@@ -471,7 +473,7 @@ def test_more_bad_requests_are_400_with_the_field_named(server):
                         ({"tool_choice": "required"}, "tool_choice"), ({"tools": [{"type": "function"}]}, "tools"),
                         ({"tools": [tool, tool], "tool_choice": "required"}, "tools"),
                         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-                            "type": "string", "pattern": "a"}}}], "tool_choice": "required"}, "tools"),
+                            "type": "string", "pattern": "\\1"}}}], "tool_choice": "required"}, "tools"),
                         ({"tools": [tool], "tool_choice": "required", "response_format": {"type": "json_object"}},
                          "tool_choice"),
                         ({"functions": [{"name": "f"}]}, "functions"),
@@ -569,6 +571,26 @@ def test_json_schema_and_choice_hold_the_output(client, offline):
         completion = client.completions.create(model="tiny", prompt="Is it?", max_tokens=10, temperature=1.0,
                                                seed=1, n=5, extra_body=extra)
         assert all(c.text in choices and c.finish_reason == "stop" for c in completion.choices)
+    regex = r"(cat|dog)-\d{2}"  # vLLM's regex (and its earlier guided_regex), streamed too
+    for extra in ({"structured_outputs": {"regex": regex}}, {"guided_regex": regex}):
+        completion = client.completions.create(model="tiny", prompt="Is it?", max_tokens=10, temperature=1.0,
+                                               seed=1, n=5, extra_body=extra)
+        assert all(re.fullmatch(regex, c.text) and c.finish_reason == "stop" for c in completion.choices)
+        stream = client.completions.create(model="tiny", prompt="Is it?", max_tokens=10, temperature=1.0,
+                                           seed=1, n=5, extra_body=extra, stream=True)
+        streamed = ["" for _ in range(5)]
+        for chunk in stream:
+            for choice in chunk.choices:
+                streamed[choice.index] += choice.text
+        assert streamed == [c.text for c in completion.choices]
+    pattern = {"type": "object", "properties": {"tag": {"type": "string", "pattern": "^[a-z]{3}$"}},
+               "required": ["tag"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "tagged", "schema": pattern}}
+    reply = client.chat.completions.create(model="tiny", messages=user, max_tokens=30, temperature=1.0, seed=2,
+                                           n=3, logit_bias=bias, response_format=fmt)
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), pattern)
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
