@@ -33,6 +33,7 @@ from streamserve.sampling_params import ParamError
 from streamserve.server import protocol
 from streamserve.server.metrics import Metrics
 from streamserve.server.protocol import APIError, bad_request
+from streamserve.server.reasoning import ReasoningReader, opens_thinking, reasoning_fields
 from streamserve.server.tools import ToolCallReader, tool_calling, tools_for_template
 
 T = TypeVar("T")
@@ -412,6 +413,10 @@ class _Call:
             raise bad_request(f"{len(self.prompts)} prompts x n={self.params.n} is {self.num_choices} choices: "
                               f"at most {serving.server.max_choices} (--max-choices)", "prompt")
         self._check_prompts(max_model_len)
+        # --reasoning-parser: a chat reply's <think> block apart (reasoning.py), the reply
+        # starting inside it where the prompt opened it
+        self.reasoning = chat and serving.server.reasoning_parser is not None
+        self.thinking = self.reasoning and opens_thinking(self.engine.tokenizer.decode(self.prompts[0][1][-16:]))
 
     def _check_prompts(self, max_model_len: int) -> None:
         """Refuse a prompt the engine cannot run (naming it in a batch); give echoed token-ID
@@ -464,13 +469,23 @@ class _Call:
                 yield delta
 
     def message(self, text: str) -> dict[str, Any]:
-        """A chat choice's message: the text, or the tool calls it makes."""
+        """A chat choice's message: the text, or the tool calls it makes; with a reasoning
+        parser, its reasoning apart (and content null where it has none)."""
+        if self.reasoning:
+            thinker = ReasoningReader(self.thinking)
+            thinker.feed(text)
+            thinker.close()
+            text = thinker.content
         if self.tool_calling is None:
-            return {"role": "assistant", "content": text}
-        reader = ToolCallReader(self.tool_calling)
-        reader.feed(text)
-        reader.close()
-        return reader.message()
+            message = {"role": "assistant", "content": text if text or not self.reasoning else None}
+        else:
+            reader = ToolCallReader(self.tool_calling)
+            reader.feed(text)
+            reader.close()
+            message = reader.message()
+        if self.reasoning:
+            message.update(reasoning_fields(thinker.reasoning or None))
+        return message
 
     def finish_reason(self, reason: Optional[str], calls: bool = True) -> Optional[str]:
         """A choice's finish reason: "tool_calls" where tool_choice "required" ended its calls,
@@ -659,6 +674,7 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
     n = call.num_choices
     completion_tokens, text_offsets = [0] * n, [0] * n
     readers = None if call.tool_calling is None else [ToolCallReader(call.tool_calling) for _ in range(n)]
+    thinkers = [ReasoningReader(call.thinking) for _ in range(n)] if call.reasoning else None
 
     def chunks(choices: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not call.continuous_usage:
@@ -687,18 +703,25 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
                       "finish_reason": s.finish_reason}
             text_offsets[s.index] += sum(len(next(iter(e.values())).decoded_token or "")
                                          for e in s.logprobs or ())
+            text, thought = s.text, ""
+            if thinkers is not None:  # the reasoning apart; the content goes on
+                thought, text = thinkers[s.index].feed(text)
+                if s.finish_reason is not None:
+                    thought, text = (a + b for a, b in zip((thought, text), thinkers[s.index].close()))
             if readers is not None:
                 reader = readers[s.index]
-                choice["delta"] = reader.feed(s.text)
+                choice["delta"] = reader.feed(text)
                 if s.finish_reason is not None:  # what the reader held back, then the reason
                     rest = reader.close()
                     if "content" in rest:
                         choice["delta"]["content"] = choice["delta"].get("content", "") + rest["content"]
                     choice["finish_reason"] = call.finish_reason(s.finish_reason, bool(reader.calls))
             elif call.chat:
-                choice["delta"] = {"content": s.text} if s.text else {}
+                choice["delta"] = {"content": text} if text else {}
             else:
-                choice["text"] = s.text
+                choice["text"] = text
+            if thought:
+                choice["delta"] = {**reasoning_fields(thought), **choice["delta"]}
             choices.append(choice)
         for chunk in chunks(choices):
             yield chunk

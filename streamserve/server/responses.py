@@ -149,11 +149,19 @@ def read_input(items: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": output})
             listed.append({"type": "function_call_output", "id": given or "fco_" + uuid.uuid4().hex,
                            "call_id": item["call_id"], "output": output, "status": "completed"})
+        elif kind == "reasoning":  # an earlier reply's reasoning handed back: listed, not read (chat
+            # templates leave earlier turns' thinking out)
+            texts = [part.get("text") for part in item.get("content") or () if isinstance(part, dict)]
+            if not all(isinstance(t, str) for t in texts):
+                raise bad_request(f"{where}: a reasoning item's content is a list of {{\"type\": \"reasoning_text\", "
+                                  "\"text\": ...}} parts", "input")
+            listed.append({"type": "reasoning", "id": given or "rs_" + uuid.uuid4().hex, "summary": [],
+                           "content": [{"type": "reasoning_text", "text": t} for t in texts], "status": "completed"})
         elif kind == "message":
             raise bad_request(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", "input")
         else:
-            raise bad_request(f"{where}: this server reads input items of type 'message', 'function_call' and "
-                              f"'function_call_output', not {kind!r}", "input")
+            raise bad_request(f"{where}: this server reads input items of type 'message', 'function_call', "
+                              f"'function_call_output' and 'reasoning', not {kind!r}", "input")
     return messages, listed
 
 
@@ -274,8 +282,9 @@ class ResponsesRequest:
 
 class ResponseBuilder:
     """A response's object and its stream's events, from the chat chunks of its one choice.
-    One output item is open at a time (`self.open`): text opens a message item, a tool call
-    a function_call item, each closing the one before."""
+    One output item is open at a time (`self.open`): reasoning (--reasoning-parser) opens a
+    reasoning item, text a message item, a tool call a function_call item, each closing the
+    one before."""
 
     def __init__(self, request: ResponsesRequest, call: _Call) -> None:
         self.request, self.call = request, call
@@ -314,6 +323,8 @@ class ResponseBuilder:
             usage = chunk.get("usage") or usage
             for choice in chunk["choices"]:
                 delta = choice.get("delta", {})
+                for event in self._reasoning(delta.get("reasoning") or ""):
+                    yield event
                 for event in self._text(delta.get("content") or "", (choice.get("logprobs") or {}).get("content")):
                     yield event
                 for call in delta.get("tool_calls") or ():
@@ -344,26 +355,39 @@ class ResponseBuilder:
         for item in self.response["output"]:
             if item["type"] == "message":
                 messages[-1]["content"] += item["content"][0]["text"]
-            else:
+            elif item["type"] == "function_call":  # (reasoning: templates leave earlier turns' out)
                 _add_call(messages, item["call_id"], item["name"], item["arguments"])
         return messages if messages[-1]["content"] or "tool_calls" in messages[-1] else messages[:-1]
+
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        events = self._open_part({"type": "reasoning", "id": "rs_" + uuid.uuid4().hex, "summary": [],
+                                  "status": "in_progress"}, {"type": "reasoning_text", "text": ""})
+        self.items[self.open]["content"][0]["text"] += text
+        return events + [self.event("response.reasoning_text.delta", **self._where(), delta=text)]
+
+    def _open_part(self, item: dict[str, Any], part: dict[str, Any]) -> list[dict[str, Any]]:
+        """Where the open item is not of item's type: it is closed, and item opened with one
+        content part, part."""
+        if self.open is not None and self.items[self.open]["type"] == item["type"]:
+            return []
+        events = self._close(False)
+        self.open = len(self.items)
+        self.items.append({**item, "content": []})
+        events.append(self.event("response.output_item.added", output_index=self.open, item=dict(self.items[-1])))
+        events.append(self.event("response.content_part.added", **self._where(), part=dict(part)))
+        self.items[-1]["content"] = [part]
+        return events
 
     def _text(self, text: str, logprobs: Optional[list[dict[str, Any]]]) -> list[dict[str, Any]]:
         if self.request.logprobs and logprobs:
             self.pending_logprobs += logprobs
         if not text:
             return []
-        events = []
-        if self.open is None or self.items[self.open]["type"] != "message":
-            events += self._close(False)
-            self.open = len(self.items)
-            item = {"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "in_progress",
-                    "role": "assistant", "content": []}
-            self.items.append(item)
-            events.append(self.event("response.output_item.added", output_index=self.open, item=dict(item)))
-            events.append(self.event("response.content_part.added", **self._where(),
-                                     part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
-            item["content"] = [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]
+        events = self._open_part({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "in_progress",
+                                  "role": "assistant"},
+                                 {"type": "output_text", "text": "", "annotations": [], "logprobs": []})
         part = self.items[self.open]["content"][0]
         part["text"] += text
         part["logprobs"] = part["logprobs"] + self.pending_logprobs
@@ -403,6 +427,10 @@ class ResponseBuilder:
         if item["type"] == "function_call":
             events = [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                  name=item["name"], arguments=item["arguments"])]
+        elif item["type"] == "reasoning":
+            where, part = self._where(), item["content"][0]
+            events = [self.event("response.reasoning_text.done", **where, text=part["text"]),
+                      self.event("response.content_part.done", **where, part=dict(part))]
         else:
             where, part = self._where(), item["content"][0]
             part["logprobs"] = part["logprobs"] + self.pending_logprobs
@@ -413,12 +441,17 @@ class ResponseBuilder:
         return events + [self.event("response.output_item.done", output_index=index, item=dict(item))]
 
     def _usage(self, usage: Optional[dict[str, int]]) -> Optional[dict[str, Any]]:
+        """The usage, its reasoning tokens counted by reading the reasoning's text again (its
+        tags aside)."""
         if usage is None:
             return None
+        encode = self.call.engine.tokenizer.encode
+        reasoning = sum(len(encode(item["content"][0]["text"], add_special_tokens=False))
+                        for item in self.items if item["type"] == "reasoning")
         return {"input_tokens": usage["prompt_tokens"],
                 "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                                          "cache_write_tokens": 0},
-                "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
                 "total_tokens": usage["total_tokens"]}
 
 

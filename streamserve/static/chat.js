@@ -152,6 +152,7 @@ function updateMessage(msg) {
   if (!node) return;
   const stick = node.isConnected && nearBottom();
   const body = node.querySelector(".body");
+  if (msg.reasoning) showReasoning(node, msg);
   if (msg.role !== "assistant") body.textContent = msg.content;
   else if (state.reply?.msg === msg) renderGrowing(body, msg.content);
   else renderAll(body, msg.content);
@@ -166,6 +167,25 @@ function updateMessage(msg) {
   }
   if (msg.stats) node.appendChild(statsElement(msg.stats));
   if (stick) ui.messages.scrollTop = ui.messages.scrollHeight;
+}
+
+// A reply's reasoning (the server's --reasoning-parser): plain text in a disclosure above
+// the reply, open while the model thinks and closed once its answer begins.
+function showReasoning(node, msg) {
+  let details = node.querySelector(".reasoning");
+  if (!details) {
+    details = node.insertBefore(document.createElement("details"), node.querySelector(".body"));
+    details.className = "reasoning";
+    details.appendChild(document.createElement("summary")).textContent = "Thinking";
+    details.appendChild(document.createElement("div")).className = "thought";
+    details.open = state.reply?.msg === msg && !msg.content;
+  } else if (details.open && msg.content && !details.dataset.touched) {
+    details.open = false; // the answer began: the thinking folds away (unless opened by hand)
+  }
+  details.querySelector(".thought").textContent = msg.reasoning;
+  details.querySelector("summary").textContent =
+    state.reply?.msg === msg && !msg.content ? "Thinking\u2026" : "Thinking";
+  details.onclick = () => { details.dataset.touched = "1"; };
 }
 
 function statsElement(stats) {
@@ -287,6 +307,13 @@ function cancelReply() {
 function onChunk(reply, data) {
   const now = performance.now();
   for (const choice of data.choices ?? []) {
+    const thought = choice.delta?.reasoning ?? choice.delta?.reasoning_content;
+    if (thought) {
+      reply.msg.reasoning = (reply.msg.reasoning ?? "") + thought;
+      reply.chunks += 1;
+      reply.first ??= now;
+      reply.last = now;
+    }
     const text = choice.delta?.content;
     if (text) {
       reply.msg.content += text;

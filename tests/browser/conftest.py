@@ -132,3 +132,14 @@ def _wait_connected(page) -> None:
 
     expect(page.locator("#status")).to_have_text("Connected")
     expect(page.locator("#send")).to_be_enabled()
+
+
+# the tiny models' chat template, but opening a <think> block in every prompt: a random model
+# then thinks for its whole reply (it writes no </think> but by chance)
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(chat_model_dir) -> Iterator[LiveServer]:
+    yield from _serve(chat_model_dir, reasoning_parser="qwen3", chat_template=THINKING_TEMPLATE)

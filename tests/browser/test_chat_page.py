@@ -534,3 +534,25 @@ def test_a_growing_reply_renders_as_the_whole_does_keeping_what_is_settled(serve
     }""")
     assert result["same"], result["html"]
     assert result["kept"]
+
+
+def test_a_replys_reasoning_shows_apart_as_plain_text(thinking_server, open_page):
+    """--reasoning-parser: the reasoning streams into a "Thinking" disclosure above the reply,
+    as text (never markup), and stays with the conversation across a reload."""
+    page = open_page(thinking_server)
+    settings(page, max_tokens=12, temperature=0)
+    send(page, "think about it")
+    expect(reply(page).locator(".stats .finish")).to_have_text("length")
+    thought = reply(page).locator(".reasoning .thought")
+    expected = http(thinking_server.url + "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "think about it"}], "max_tokens": 12, "temperature": 0,
+        "ignore_eos": True})[2]
+    message = json.loads(expected)["choices"][0]["message"]
+    assert message["reasoning"] and message["content"] is None  # (the random model never closed the block)
+    expect(thought).to_have_text(message["reasoning"])
+    expect(reply(page).locator(".reasoning summary")).to_have_text("Thinking")
+    assert reply(page).locator(".reasoning .thought *").count() == 0  # text, not markup
+    assert stored_chats(page)[0]["messages"][1]["reasoning"] == message["reasoning"]
+    page.reload()
+    connected(page)
+    expect(reply(page).locator(".reasoning .thought")).to_have_text(message["reasoning"])
