@@ -2,7 +2,8 @@
 
 Workers loop for --seconds, each picking one of: streamed chats and completions (some cut
 off after a few chunks), n > 1 with logprobs and echo, requests whose client times out,
-JSON-schema, choice and tool-call outputs, prompt_logprobs, long prompts sharing a prefix,
+JSON-schema (with patterns and lengths), choice, regex and tool-call outputs, prompt_logprobs,
+vLLM's allowed_token_ids / bad_words / truncate_prompt_tokens / priority, long prompts sharing a prefix,
 responses (/v1/responses, streamed and not, and ones going on from them), embeddings,
 websockets closed mid-stream or sent bad frames, tokenize/detokenize, and bad bodies that
 must get a 400. Afterwards the engine must go idle with no KV block held (/metrics) and
@@ -12,7 +13,9 @@ that keeps growing round after round is a leak). Exits 1 on any problem.
     python -m streamserve --port 8091 --num-gpu-blocks-override 96 --max-model-len 1024 &
     python scripts/soak_server.py --url http://127.0.0.1:8091 --seconds 150 --workers 24 --pid $!
 
-A small KV cache (--num-gpu-blocks-override) makes requests preempt each other too.
+A small KV cache (--num-gpu-blocks-override) makes requests preempt each other too. With
+--priority (the server started with --scheduling-policy priority), requests carry random
+priorities, and waiting ones of a lower value preempt running ones.
 """
 
 from __future__ import annotations
@@ -31,13 +34,17 @@ import aiohttp
 WORDS = "the cat sat on a mat while rain fell over quiet hills and rivers ran toward the sea".split()
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
+PATTERNED = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{2,4}$"},
+                                              "note": {"type": "string", "maxLength": 12}},
+             "required": ["code", "note"]}
+REGEX = r"(yes|no), because [a-z ]{1,30}\."
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
 class Soak:
-    def __init__(self, url: str, model: str) -> None:
-        self.url, self.model = url, model
+    def __init__(self, url: str, model: str, priority: bool = False) -> None:
+        self.url, self.model, self.priority = url, model, priority
         self.counts: collections.Counter = collections.Counter()
         self.problems: list[tuple] = []
 
@@ -49,8 +56,11 @@ class Soak:
                 "max_tokens": random.randint(1, 48), "temperature": random.choice([0, 0.7, 1.0]), **kw}
 
     def completion(self, **kw) -> dict:
-        return {"model": self.model, "prompt": self.text(random.randint(1, 60)), "max_tokens": random.randint(1, 48),
+        body = {"model": self.model, "prompt": self.text(random.randint(1, 60)), "max_tokens": random.randint(1, 48),
                 "temperature": random.choice([0, 0.8]), **kw}
+        if self.priority:
+            body.setdefault("priority", random.randint(-2, 2))
+        return body
 
     def bad_bodies(self) -> list[tuple[str, dict]]:
         c, m = "/v1/completions", "/v1/chat/completions"
@@ -100,7 +110,7 @@ class Soak:
             return r.status
 
     async def one(self, s) -> None:
-        kind = random.randrange(19)
+        kind = random.randrange(21)
         if kind == 0:
             self.expect("chat stream", await self.stream(s, "/v1/chat/completions", self.chat(stream=True)), 200)
         elif kind == 1:
@@ -196,6 +206,25 @@ class Soak:
             if status == 200:
                 status, t = await self.post(s, "/v1/responses", {**body, "previous_response_id": json.loads(t)["id"]})
                 self.expect("response going on", status, 200, t)
+        elif kind == 19:  # a regex, or a schema with a pattern and a length, streamed or not
+            if random.random() < 0.5:
+                body = self.completion(max_tokens=40, structured_outputs={"regex": REGEX})
+                status, t = await self.post(s, "/v1/completions", body)
+                self.expect("regex", status, 200, t)
+                choice = json.loads(t)["choices"][0] if status == 200 else {}
+                if choice.get("finish_reason") == "stop" and not re.fullmatch(REGEX, choice["text"]):
+                    self.problems.append(("regex gave", choice["text"]))
+            else:
+                fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PATTERNED}}
+                status = await self.stream(s, "/v1/chat/completions",
+                                           self.chat(stream=True, max_tokens=60, response_format=fmt))
+                self.expect("patterned schema stream", status, 200)
+        elif kind == 20:  # vLLM's sampling extras
+            body = self.completion(allowed_token_ids=random.sample(range(1000), 20), max_tokens=8)
+            if random.random() < 0.5:
+                body = self.completion(bad_words=random.sample(WORDS, 3), truncate_prompt_tokens=random.randint(1, 20))
+            status, t = await self.post(s, "/v1/completions", body)
+            self.expect("allowed ids / bad words / truncation", status, 200, t)
         elif kind == 18:  # embeddings of a few inputs at once, left early at times
             body = {"model": self.model, "input": [self.text(random.randint(1, 40)) for _ in range(random.randint(1, 4))]}
             try:
@@ -254,7 +283,7 @@ def rss_mib(pid: Optional[int]) -> Optional[float]:
 async def main(args) -> int:
     async with aiohttp.ClientSession() as s:
         async with s.get(args.url + "/v1/models") as r:
-            soak = Soak(args.url, (await r.json())["data"][0]["id"])
+            soak = Soak(args.url, (await r.json())["data"][0]["id"], args.priority)
         before = rss_mib(args.pid)
         end = time.time() + args.seconds
         await asyncio.gather(*(soak.worker(s, end) for _ in range(args.workers)))
@@ -279,6 +308,8 @@ if __name__ == "__main__":
     parser.add_argument("--workers", type=int, default=24)
     parser.add_argument("--pid", type=int, help="the server's process ID, to report its resident memory")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--priority", action="store_true",
+                        help="the server runs --scheduling-policy priority: requests carry random priorities")
     args = parser.parse_args()
     random.seed(args.seed)
     raise SystemExit(asyncio.run(main(args)))

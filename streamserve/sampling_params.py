@@ -31,6 +31,10 @@ class StructuredOutputsParams:
     choice: Optional[list[str]] = None
     json_object: bool = False
     regex: Optional[str] = None
+    # A reasoning model's <think> block before it (the server sets this under --reasoning-parser):
+    # "inside" (the prompt opened it) or "may" (the reply may open one); the block's text is
+    # free, the structure starts after its </think> (as vLLM holds only the answer to it).
+    thinking: Optional[str] = None
 
     def __post_init__(self) -> None:
         from streamserve.engine.structured_output import SchemaError, start_states
@@ -42,6 +46,8 @@ class StructuredOutputsParams:
                              "regex (a regular expression) or json_object=True", "structured_outputs")
         if self.regex is not None and not isinstance(self.regex, str):
             raise ParamError("regex must be a string (a regular expression)", "structured_outputs")
+        if self.thinking not in (None, "inside", "may"):
+            raise ParamError("thinking must be 'inside', 'may' or None", "structured_outputs")
         if type(self.json_object) is not bool:
             raise ParamError("json_object must be true or false", "structured_outputs")
         if self.choice is not None and not (isinstance(self.choice, list) and self.choice

@@ -403,9 +403,14 @@ def compile_schema(schema: Any) -> Node:
 # (node, progress); aux is the mode's detail: the node of the value to come (VALUE, COLON), a
 # string's kind (KEY_STRING, VALUE_STRING, or a pattern's (Regex, its state) for a value held
 # to one), a key's text so far, a number's integer-ness, a literal's possible rests, a regex's
-# (Regex, its state) (REGEX: the whole output held to a regex, vLLM's structured_outputs regex).
+# (Regex, its state) (REGEX: the whole output held to a regex, vLLM's structured_outputs regex),
+# or a reasoning model's preamble: (how much of the tag so far, the structure's start states)
+# (OPENING: "<think>" may open the reply, whitespace before it; THINKING: free text until
+# "</think>", after which the structure starts).
 (VALUE, ARRAY_FIRST, OBJECT_FIRST, KEY, KEY_TEXT, COLON, AFTER_VALUE, DONE, STRING, ESCAPE, UNICODE,
- NUM_MINUS, NUM_ZERO, NUM_INT, FRAC_FIRST, FRAC, EXP_FIRST, EXP_SIGN, EXP, LITERAL, REGEX) = range(21)
+ NUM_MINUS, NUM_ZERO, NUM_INT, FRAC_FIRST, FRAC, EXP_FIRST, EXP_SIGN, EXP, LITERAL, REGEX, OPENING,
+ THINKING) = range(23)
+THINK_START, THINK_END = "<think>", "</think>"
 KEY_STRING, VALUE_STRING = 0, 1
 State = tuple  # (mode, stack: tuple of (Node, int), aux, whitespace: int)
 States = tuple  # the states alive at once (usually one)
@@ -445,14 +450,21 @@ def start_regex(pattern: str) -> States:
 
 def start_states(params) -> States:
     """The states before the output of a StructuredOutputsParams (its schema compiled, or
-    found compiled: raises SchemaError for one this module cannot hold an output to)."""
+    found compiled: raises SchemaError for one this module cannot hold an output to); with
+    its `thinking`, a reasoning model's <think> block free before it."""
     if params.json is not None:
-        return start(compile_schema(params.json))
-    if params.choice is not None:
-        return start_choice(params.choice)
-    if params.regex is not None:
-        return start_regex(params.regex)
-    return START
+        states = start(compile_schema(params.json))
+    elif params.choice is not None:
+        states = start_choice(params.choice)
+    elif params.regex is not None:
+        states = start_regex(params.regex)
+    else:
+        states = START
+    if params.thinking == "inside":  # the prompt opened the block
+        return ((THINKING, (), (0, states), 0),)
+    if params.thinking == "may":  # the reply may open one, or begin with the structure
+        return states + ((OPENING, (), (0, states), 0),)
+    return states
 
 
 def accepting(state: State) -> bool:
@@ -462,6 +474,8 @@ def accepting(state: State) -> bool:
     mode, stack, aux, _ = state
     if mode == REGEX:
         return aux[0].accepting(aux[1])
+    if mode >= OPENING:  # (the structure has not begun)
+        return False
     return mode == DONE or not stack and (mode in _NUMBER_ENDS or mode == LITERAL and "" in aux)
 
 
@@ -481,6 +495,18 @@ def step(state: State, ch: str) -> States:
     if mode == REGEX:
         after = aux[0].step(aux[1], ch)
         return () if after is None else ((REGEX, stack, (aux[0], after), 0),)
+    if mode == THINKING:  # free text; "</think>" ends it, and the structure starts
+        matched, structure = aux
+        if ch == THINK_END[matched]:
+            return structure if matched + 1 == len(THINK_END) else ((THINKING, (), (matched + 1, structure), 0),)
+        return ((THINKING, (), (1 if ch == "<" else 0, structure), 0),)
+    if mode == OPENING:
+        matched, structure = aux
+        if ch == THINK_START[matched]:
+            if matched + 1 == len(THINK_START):
+                return ((THINKING, (), (0, structure), 0),)
+            return ((OPENING, (), (matched + 1, structure), ws),)
+        return ((OPENING, (), aux, ws + 1),) if matched == 0 and ch in _WHITESPACE and ws < MAX_WHITESPACE else ()
     if ch in _WHITESPACE and mode in _WS_MODES:
         return ((mode, stack, aux, ws + 1),) if ws < MAX_WHITESPACE else ()
     if mode == VALUE:
@@ -708,6 +734,8 @@ class Vocabulary:
         self.masks: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self.nothing = np.zeros(vocab_size, dtype=np.bool_)
         self.tries: OrderedDict[tuple, _ClassTrie] = OrderedDict()
+        self.without_lt: Optional[np.ndarray] = None  # tokens with no "<" (a think block's free text)
+        self.with_lt: list[int] = []  # and those with one
 
     def allowed(self, states: States, eos_token_id: Optional[int], stop_token_ids: frozenset[int]) -> np.ndarray:
         """A [vocab_size] bool mask of the tokens allowed after the output so far (not to be
@@ -756,7 +784,13 @@ class Vocabulary:
 
     def _build(self, state: State) -> np.ndarray:
         mode, aux = state[0], state[2]
-        if mode == REGEX or mode == STRING and type(aux) is not int:
+        if mode == THINKING and aux[0] == 0:  # free text: only a token with a "<" could end it
+            if self.without_lt is None:
+                self.without_lt = np.array([bool(text) and "<" not in text for text in self.texts])
+                self.with_lt = [t for t, text in enumerate(self.texts) if "<" in text]
+            mask = self.without_lt.copy()
+            candidates = self.with_lt
+        elif mode == REGEX or mode == STRING and type(aux) is not int:
             # a regex's text: its tokens walk the automaton through a trie of their character
             # classes (a string's plain tokens; those with quotes or escapes one by one, below)
             regex, at = aux

@@ -417,6 +417,10 @@ class _Call:
         # starting inside it where the prompt opened it
         self.reasoning = chat and serving.server.reasoning_parser is not None
         self.thinking = self.reasoning and opens_thinking(self.engine.tokenizer.decode(self.prompts[0][1][-16:]))
+        structured = self.params.structured_outputs
+        if self.reasoning and structured is not None:  # the thinking is free, the answer held (as in vLLM)
+            structured = dataclasses.replace(structured, thinking="inside" if self.thinking else "may")
+            self.params = dataclasses.replace(self.params, structured_outputs=structured)
 
     def _check_prompts(self, max_model_len: int) -> None:
         """Refuse a prompt the engine cannot run (naming it in a batch); give echoed token-ID

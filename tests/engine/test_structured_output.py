@@ -524,3 +524,31 @@ def test_a_patterned_strings_escape_begins_only_where_its_character_could_follow
     anything = so.start(so.compile_schema({"type": "string", "maxLength": 1}))
     assert so.advance(anything, '"\\uD8') is None and so.advance(anything, '"\\uD7') is not None
     assert so.advance(anything, '"x\\') is None and complete('"\\t"', anything)
+
+
+# -- a reasoning model's <think> block before the structure (--reasoning-parser) ---------------
+
+
+def test_a_think_block_is_free_and_the_structure_starts_after_it():
+    inside = so.start_states(StructuredOutputsParams(json_object=True, thinking="inside"))
+    assert complete('plan: {not json} < </th </think>{"a": 1}', inside)
+    assert not complete('{"a": 1}', inside)  # still thinking: no end yet
+    assert so.advance(inside, 'x</think>[1]') is None  # after the block, the structure holds
+    may = so.start_states(StructuredOutputsParams(regex="ab+", thinking="may"))
+    assert complete("abb", may) and complete(" \n<think>x</think>ab", may)  # it opens one, or not
+    assert so.advance(may, "x<think>") is None and not complete("<think>ab", may)
+    with pytest.raises(ParamError, match="thinking"):
+        StructuredOutputsParams(json_object=True, thinking="yes")
+
+
+def test_think_block_masks_match_a_check_of_every_token(vocabulary):
+    stops = (2, frozenset())
+    inside = so.start_states(StructuredOutputsParams(json=SCHEMAS[0], thinking="inside"))
+    may = so.start_states(StructuredOutputsParams(json_object=True, thinking="may"))
+    for start, prefix in [(inside, ""), (inside, "some thought <"), (inside, "a </thi"), (inside, "x</think>"),
+                          (may, ""), (may, " <th"), (may, "<think>hm")]:
+        states = so.advance(start, prefix)
+        expected = np.array([bool(text) and so.advance(states, text) is not None for text in vocabulary.texts])
+        expected[2] = so.is_complete(states)
+        mask = vocabulary.allowed(states, *stops)
+        assert (mask == expected).all(), (prefix, [vocabulary.texts[i] for i in np.flatnonzero(mask != expected)])

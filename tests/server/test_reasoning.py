@@ -126,3 +126,18 @@ def test_a_response_gives_its_reasoning_as_a_reasoning_item(client):
         {"role": "assistant", "content": response.output_text}, {"role": "user", "content": "Again."}])
     listed = client.responses.input_items.list(follow.id)
     assert [item.type for item in listed.data][::-1] == ["message", "reasoning", "message", "message"]
+
+
+def test_structured_output_holds_the_answer_and_leaves_the_thinking_free(client):
+    """As vLLM: under a reasoning parser the think block is free and the structure holds what
+    follows it. (The random model thinks on to max_tokens, in no JSON, where JSON mode alone
+    would have begun with "{".)"""
+    user = [{"role": "user", "content": "Answer in JSON."}]
+    thinking = client.chat.completions.create(
+        model="tiny", messages=user, max_tokens=12, temperature=0, response_format={"type": "json_object"},
+        extra_body={"chat_template_kwargs": {"think": True}})
+    message = thinking.choices[0].message.model_dump()
+    assert message["content"] is None and message["reasoning"] and not message["reasoning"].startswith("{")
+    answer = client.chat.completions.create(  # no block opened, none written: JSON from the start
+        model="tiny", messages=user, max_tokens=40, temperature=0, response_format={"type": "json_object"})
+    assert answer.choices[0].message.content.lstrip().startswith("{")
