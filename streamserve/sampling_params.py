@@ -147,6 +147,10 @@ class SamplingParams:
             (self.bad_words is None or isinstance(self.bad_words, (list, tuple)) and all(
                 isinstance(w, str) and w.strip() for w in self.bad_words),
              "bad_words", "bad_words must be a list of strings, each with more than whitespace"),
+            (self.bad_words_token_ids is None or isinstance(self.bad_words_token_ids, (list, tuple)) and all(
+                isinstance(ids, (list, tuple)) and ids and all(map(_is_token_id, ids))
+                for ids in self.bad_words_token_ids),
+             "bad_words", "bad_words_token_ids must be a list of non-empty lists of token IDs"),
             (self.truncate_prompt_tokens is None or _is_int(self.truncate_prompt_tokens)
              and (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1),
              "truncate_prompt_tokens", "truncate_prompt_tokens must be a positive count of tokens, or -1 "

@@ -6,8 +6,9 @@ are small ints. structured_output drives it as it drives its JSON recognizer, a 
 time: step(state, ch) is the state after one more character (None where no text that goes on
 so can match), accepting(state) whether the text so far matches the whole regex. Every state
 step returns is live (some continuation reaches acceptance), so an output held to the regex
-can always be finished. The automaton accepts exactly the strings s for which
-re.fullmatch(pattern, s, re.ASCII) matches: every regex is anchored at both ends.
+can always be finished. The automaton accepts the strings s that match the whole pattern as
+ECMA-262 (JSON Schema's patterns) and Python's re both read it: re.fullmatch(pattern, s,
+re.ASCII) but for ".", \s and \S, below. Every regex is anchored at both ends.
 
 How a pattern becomes the automaton:
   1. A recursive-descent parser reads the pattern into a syntax tree of four nodes: Chars (a
@@ -39,12 +40,14 @@ the state's transition on that class.
 The syntax is the common subset of Python's re and ECMA-262 (JSON Schema's "pattern"), read as
 Python's re reads it where they differ ([]a] is a class of "]" and "a"; a "{" that begins no
 valid {m,n} is a literal; {,n} is {0,n}):
-  - literals; "." (any character but "\n", as re without DOTALL); classes [abc] [a-z] [^...]
+  - literals; "." (any character but the line terminators \n \r \u2028 \u2029: ECMA's, of
+    which re's is \n alone); classes [abc] [a-z] [^...]
     with escapes and \d-style classes inside them; groups ( ), (?: ), (?P<name> ),
     (?<name> ); alternation | (empty alternatives too); quantifiers * + ? {m} {m,} {m,n} {,n}
     and their lazy forms *? +? ?? {m,n}? (the same language);
-  - escapes \d \D \w \W \s \S with their ASCII meanings ([0-9], [A-Za-z0-9_],
-    [ \t\n\r\f\v]: re.ASCII's, and ECMA's but for \s, whose Unicode spaces are left out),
+  - escapes \d \D \w \W with ECMA's ASCII meanings ([0-9], [A-Za-z0-9_]), \s the whitespace
+    both ECMA and re's Unicode \s count (NBSP and the other Unicode spaces too), \S the
+    characters neither counts (the few only one counts are in neither \s nor \S),
     \n \t \r \f \v \a, \0 and octal \0oo (and \ooo inside a class), \xHH, \uHHHH,
     \UHHHHHHHH, \N{name}, \b inside a class (backspace), and any escaped character that is
     not an ASCII letter or digit (\. \* \\ \/ \- ...);
@@ -116,11 +119,18 @@ def _complement(ranges: Ranges) -> Ranges:
 
 _DIGIT = ((0x30, 0x39),)
 _WORD = ((0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A))
-_SPACE = ((0x09, 0x0D), (0x20, 0x20))  # \t \n \v \f \r and space
+# \s: the whitespace both ECMA-262 (JSON Schema's patterns) and Python's re (unicode) count as
+# such; the characters only one of them counts (\x1c-\x1f and \x85, Python's; \ufeff, ECMA's)
+# are in neither \s nor \S, nor in a negated class that names either, so that an output
+# matches under both readings.
+_SPACE = ((0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+          (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000))
+_SPACE_DISPUTED = ((0x1C, 0x1F), (0x85, 0x85), (0xFEFF, 0xFEFF))
 _CLASS_ESCAPES = {"d": _DIGIT, "D": _complement(_DIGIT), "w": _WORD, "W": _complement(_WORD),
-                  "s": _SPACE, "S": _complement(_SPACE)}
+                  "s": _SPACE, "S": _complement(_normalize(list(_SPACE + _SPACE_DISPUTED)))}
 _CHAR_ESCAPES = {"n": 0x0A, "t": 0x09, "r": 0x0D, "f": 0x0C, "v": 0x0B, "a": 0x07}
-_DOT = _complement(((0x0A, 0x0A),))
+# "." as both read it: anything but ECMA's line terminators (Python's is "\n" alone)
+_DOT = _complement(((0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)))
 _REFUSED_ESCAPES = {"b": "word boundaries (\\b) are", "B": "\\B (not a word boundary) is", "A": "anchors (\\A) are",
                     "Z": "anchors (\\Z) are", "k": "backreferences (\\k<name>) are",
                     "p": "Unicode property escapes (\\p{...}) are", "P": "Unicode property escapes (\\P{...}) are"}
@@ -355,7 +365,7 @@ class _Parser:
         if negated:
             self.pos += 1
         ranges: list[tuple[int, int]] = []
-        first = True
+        first, spaces = True, False
         while True:
             ch = self.peek()
             if not ch:
@@ -374,10 +384,15 @@ class _Parser:
                 ranges.append((lo, hi))
             elif isinstance(lo, tuple):
                 ranges.extend(lo)
+                spaces = spaces or self.pattern[item_start:self.pos] in ("\\s", "\\S")
             else:
                 ranges.append((lo, lo))
         found = _normalize(ranges)
-        return Chars(_complement(found) if negated else found)
+        if not negated:
+            return Chars(found)
+        if spaces:  # (see _SPACE_DISPUTED)
+            found = _normalize(list(found + _SPACE_DISPUTED))
+        return Chars(_complement(found))
 
     def class_item(self) -> Union[int, Ranges]:
         if self.peek() == "\\":
@@ -592,6 +607,7 @@ class Regex:
         self.pattern = pattern
         self.start = 0
         self._bounds = bounds
+        self.bounds = tuple(bounds)  # its character classes: regexes alike in them share tokens' tries
         self._delta = delta
         self._accepts = accepts
         self._class_of: dict[str, int] = {}  # character -> class, filled as characters come
@@ -638,7 +654,7 @@ class Regex:
 
 @functools.lru_cache(maxsize=REGEX_CACHE_SIZE)
 def compile_regex(pattern: str) -> Regex:
-    """The automaton that accepts exactly what re.fullmatch(pattern, ., re.ASCII) matches
+    """The automaton that accepts what the whole pattern matches (as the module says)
     (cached by pattern text); raises RegexError for a pattern it cannot hold an output to."""
     tree = _Parser(pattern).parse()
     nfa = _NFA()

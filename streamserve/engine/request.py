@@ -82,7 +82,8 @@ def validate_prompt(prompt_token_ids: list[int], params: SamplingParams,
     if bad:
         raise ParamError(f"prompt token ID {bad[0]} is outside the vocabulary [0, {vocab_size})", "prompt")
     for field, ids in (("stop_token_ids", params.stop_token_set), ("logit_bias", params.logit_bias or ()),
-                       ("allowed_token_ids", params.allowed_token_ids or ())):
+                       ("allowed_token_ids", params.allowed_token_ids or ()),
+                       ("bad_words", [t for word in params.bad_words_token_ids or () for t in word])):
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise ParamError(f"{field}: {bad[0]} is outside the vocabulary [0, {vocab_size})", field)

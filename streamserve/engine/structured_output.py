@@ -1,9 +1,12 @@
-"""Structured output: JSON mode, JSON schemas and choices (vLLM's StructuredOutputsParams).
+"""Structured output: JSON mode, JSON schemas, choices and regexes (vLLM's StructuredOutputsParams).
 
 A request with SamplingParams.structured_outputs may only sample tokens whose text keeps its
 output a prefix of what it asks for: one JSON object (JSON mode, the OpenAI API's
 response_format {"type": "json_object"}), one JSON value that a JSON schema admits
-(response_format {"type": "json_schema"}), or one of a list of strings (vLLM's choice).
+(response_format {"type": "json_schema"}), one of a list of strings (vLLM's choice), or a
+text a regex matches whole (vLLM's regex: engine/regex.py's automaton, in the REGEX mode).
+Under a reasoning parser a <think> block may come first, free (the THINKING and OPENING
+modes), the structure holding what follows it.
 Once the output is whole, only its EOS or stop token IDs, which end it, as with vLLM's
 grammars. Outside strings, at most MAX_WHITESPACE whitespace characters in a row, so a
 model cannot idle in whitespace.
@@ -23,14 +26,17 @@ token holds), so a step mostly looks up masks it has already built.
 What a schema may say: type (one or a list), properties, required, additionalProperties
 (false, or with no properties true or a schema: a map), items, minItems, maxItems, enum and
 const (with type at most), anyOf, oneOf whose alternatives no value fits two of (_disjoint),
-allOf of one schema, and $ref within the document (recursion included); annotations (title,
+allOf of one schema, $ref within the document (recursion included), and a string's pattern
+(matched whole) or minLength / maxLength (as the regex [\\s\\S]{m,n}; without a type, they
+hold strings and let other values pass); annotations (title,
 description, format, default, ...) are read and ignored, as JSON Schema's own rules have it
 for format. An anyOf of alternatives that begin alike keeps several states alive; nested
 deep, they would double with each level: at most MAX_STATES are kept (the first ones), so
 what is allowed stays valid, if less than all that is. An object's properties come in the
 order the schema lists them (as OpenAI's and vLLM's strict modes write them), each at most
-once, none that it does not list. Any other keyword (pattern, minLength, minimum, ...) is
-refused rather than ignored: the output would not be held to it.
+once, none that it does not list. Any other keyword (minimum, multipleOf, ...) is refused
+rather than ignored: the output would not be held to it. A regex state's mask walks a trie
+of the tokens' character classes (_ClassTrie), shared by regexes of the same classes.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ logger = logging.getLogger(__name__)
 
 MAX_WHITESPACE = 64  # whitespace characters in a row, anywhere outside strings
 MASK_CACHE_SIZE = 1024  # masks kept (bytes each: the vocabulary size)
-TRIE_CACHE_SIZE = 8  # regexes whose token tries a Vocabulary keeps
+TRIE_CACHE_SIZE = 32  # token tries a Vocabulary keeps (one per regex's character classes)...
+TRIE_CACHE_NODES = 500_000  # ... and at most this many nodes in all (~300 bytes each)
 SCHEMA_CACHE_SIZE = 64  # compiled schemas kept (by their text): requests alike share nodes and masks
 MAX_SCHEMA_DEPTH = 64  # schemas nested deeper are refused (a $ref cycle is no nesting)
 MAX_ALTERNATIVES = 1024  # properties of an object, values of an enum, strings of a choice, anyOf's schemas
@@ -207,6 +214,10 @@ class _Compiler:
             kind = ("object" if {"properties", "required", "additionalProperties"} & set(rules)
                     else "array" if {"items", "minItems", "maxItems"} & set(rules) else None)
             if kind is None:
+                if {"pattern", "minLength", "maxLength"} & set(rules):  # for a string: any other value passes
+                    patterned = Node(STRING_VALUE, pattern=self.string_pattern(rules, where))
+                    return Node(UNION, alternatives=tuple(patterned if alternative.kind == STRING_VALUE
+                                                          else alternative for alternative in ANY.alternatives))
                 return ANY
         if isinstance(kind, list):
             if not kind or len(set(map(str, kind))) != len(kind):
@@ -734,6 +745,10 @@ class Vocabulary:
         self.masks: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self.nothing = np.zeros(vocab_size, dtype=np.bool_)
         self.tries: OrderedDict[tuple, _ClassTrie] = OrderedDict()
+        self.trie_nodes = 0
+        # a regex reads whole characters: byte-level BPE's pieces of one (read as U+FFFD) are
+        # never allowed there, where each would count as a character
+        self.special_whole = [t for t in special if "\ufffd" not in self.texts[t]]
         self.without_lt: Optional[np.ndarray] = None  # tokens with no "<" (a think block's free text)
         self.with_lt: list[int] = []  # and those with one
 
@@ -796,7 +811,7 @@ class Vocabulary:
             regex, at = aux
             mask = np.zeros(self.vocab_size, dtype=np.bool_)
             mask[self._trie(regex, plain=mode == STRING).walk(regex, at)] = True
-            candidates = self.special if mode == STRING else []
+            candidates = self.special_whole if mode == STRING else []
         elif mode == STRING:
             mask = self.plain_in_string.copy()
             candidates = self.special
@@ -815,14 +830,17 @@ class Vocabulary:
 
 
     def _trie(self, regex: Regex, plain: bool) -> "_ClassTrie":
-        """The tokens (plain: those that stay inside a string) as a trie of `regex`'s classes."""
-        key = (regex, plain)
+        """The tokens (plain: those that stay inside a string) as a trie of `regex`'s classes,
+        shared by every regex of the same classes ([a-z]+ and [a-z]{3}, or any two lengths)."""
+        key = (regex.bounds, plain)
         trie = self.tries.get(key)
         if trie is None:
-            ids = np.flatnonzero(self.plain_in_string) if plain else [t for t, text in enumerate(self.texts) if text]
+            ids = np.flatnonzero(self.plain_in_string) if plain else range(self.vocab_size)
+            ids = [t for t in ids if self.texts[t] and "\ufffd" not in self.texts[t]]
             trie = self.tries[key] = _ClassTrie(regex, self.texts, ids)
-            if len(self.tries) > TRIE_CACHE_SIZE:
-                self.tries.popitem(last=False)
+            self.trie_nodes += len(trie.children)
+            while len(self.tries) > 1 and (len(self.tries) > TRIE_CACHE_SIZE or self.trie_nodes > TRIE_CACHE_NODES):
+                self.trie_nodes -= len(self.tries.popitem(last=False)[1].children)
         else:
             self.tries.move_to_end(key)
         return trie

@@ -73,7 +73,9 @@ class InputProcessor:
             sequences.append(bare)
             if len(spaced) == len(bare) and spaced[0] != bare[0]:
                 sequences.append(spaced)
-        return [ids for ids in sequences if ids and max(ids) < self.vocab_size]
+            if max(bare + spaced) >= self.vocab_size:  # (a tokenizer larger than the model)
+                raise ParamError(f"bad word {word!r} has a token past the model's vocabulary", "bad_words")
+        return sequences
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)

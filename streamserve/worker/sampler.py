@@ -63,7 +63,7 @@ class Sampler:
                  allowed: Optional[list[Optional[np.ndarray]]] = None
                  ) -> tuple[list[int], Optional[list[Optional[TokenLogprobs]]]]:
         """allowed: per row, None or a [vocab] bool mask of the only tokens it may sample
-        (structured output); applied first with allowed_token_ids', so its logprobs are those
+        (structured output); applied first, as allowed_token_ids are, so its logprobs are those
         of the constrained distribution."""
         logits = logits.float()
         if any(r.params.allowed_token_ids is not None for r in rows):
@@ -178,9 +178,13 @@ class Sampler:
 
     def _ban(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Tokens a row may not sample now: below min_tokens, EOS and stop_token_ids; and the
-        last token of any bad word whose other tokens the output ends with (vLLM's rule)."""
+        last token of any bad word whose other tokens the output ends with (vLLM's rule). A row
+        they would leave nothing to sample (every token its allowed ones or its structure let
+        through banned) keeps its logits: what it must say wins over what it should not."""
         index = self._entries([sorted(_banned(r)) for r in rows])
-        return logits.index_put(index, torch.full((), float("-inf"), device=logits.device))
+        banned = logits.index_put(index, torch.full((), float("-inf"), device=logits.device))
+        emptied = (banned == float("-inf")).all(dim=-1, keepdim=True)
+        return torch.where(emptied, logits, banned)
 
     def _add_logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """OpenAI's logit_bias: each listed token's bias added to its logit."""

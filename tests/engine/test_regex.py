@@ -16,8 +16,22 @@ from streamserve.engine.regex import Regex, RegexError, compile_regex
 
 
 def python_pattern(pattern: str) -> str:
-    """The pattern as Python's re spells it: ECMA's named group (?<name>...) is (?P<name>...)."""
-    return re.sub(r"\(\?<(?![=!])", "(?P<", pattern)
+    """The pattern as Python's re spells it: ECMA's named group (?<name>...) is (?P<name>...),
+    and "." outside a class stops at ECMA's line terminators too, as engine/regex.py reads it."""
+    out, escaped, in_class = [], False, False
+    for i, ch in enumerate(re.sub(r"\(\?<(?![=!])", "(?P<", pattern)):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif ch == "[" and not in_class:
+            in_class, start = True, len(out)
+        elif ch == "]" and in_class and len(out) > start + 1 + (out[start + 1:start + 2] == ["^"]):
+            in_class = False
+        elif ch == "." and not in_class:
+            ch = "[^\n\r\u2028\u2029]"
+        out.append(ch)
+    return "".join(out)
 
 
 def walk(regex: Regex, text: str) -> Optional[int]:
@@ -180,17 +194,26 @@ def test_realistic_prefixes_are_live_and_wrong_characters_are_refused():
     assert walk(email, "a@@") is None and walk(email, "@") is None and walk(email, "a b") is None
 
 
-def test_character_classes_have_ascii_meanings_and_dot_stops_at_newline():
+def test_character_classes_read_as_ecma_and_python_both_read_them():
+    """\\d and \\w are ASCII (ECMA's, a part of re's Unicode ones); \\s is the whitespace both
+    ECMA and re's Unicode \\s count, and the characters only one counts (\\x1c-\\x1f, \\x85,
+    \\ufeff) are in neither \\s nor \\S; "." stops at every ECMA line terminator."""
+    disputed = "\x1c\x1d\x1e\x1f\x85\ufeff"
     for escape in ("d", "D", "w", "W", "s", "S"):
         for pattern in (f"\\{escape}", f"[\\{escape}]", f"[^\\{escape}]"):
             regex, expected = compile_regex(pattern), re.compile(pattern, re.ASCII)
-            ascii_chars = [chr(c) for c in range(128)]
+            ascii_chars = [chr(c) for c in range(128) if chr(c) not in disputed]
             assert [matches(regex, ch) for ch in ascii_chars] == [bool(expected.fullmatch(ch)) for ch in ascii_chars]
+            if escape in "sS":
+                assert not any(matches(regex, ch) for ch in disputed), pattern
     assert not matches(compile_regex(r"\d"), "\u0663")  # ARABIC-INDIC DIGIT THREE: re's Unicode \d takes it
     assert not matches(compile_regex(r"\w"), "\u00e9") and matches(compile_regex(r"\W"), "\u00e9")
-    assert not matches(compile_regex(r"\s"), "\u00a0") and matches(compile_regex(r"\S"), "\u00a0")
+    for space in "\u00a0\u3000\u2028":  # (NBSP: both read it as \\s)
+        assert matches(compile_regex(r"\s"), space) and not matches(compile_regex(r"\S"), space)
+        assert not matches(compile_regex(r"[^\s]"), space) and re.fullmatch(r"\s", space)
     dot = compile_regex(".")
-    assert all(matches(dot, ch) for ch in "a\r\x00\u4f60\U0001F600\uffff") and not matches(dot, "\n")
+    assert all(matches(dot, ch) for ch in "a\x00\u4f60\U0001F600\uffff")
+    assert not any(matches(dot, ch) for ch in "\n\r\u2028\u2029")
     assert matches(compile_regex("[^a]"), "\n") and matches(compile_regex("[^a]"), "\U0010FFFF")
 
 

@@ -552,3 +552,37 @@ def test_think_block_masks_match_a_check_of_every_token(vocabulary):
         expected[2] = so.is_complete(states)
         mask = vocabulary.allowed(states, *stops)
         assert (mask == expected).all(), (prefix, [vocabulary.texts[i] for i in np.flatnonzero(mask != expected)])
+
+
+def test_a_patterns_keywords_without_a_type_hold_strings_and_let_other_values_pass():
+    for schema, wrong in (({"pattern": "^[a-z]+$"}, '"A"'), ({"minLength": 2}, '"a"')):
+        start = so.start(so.compile_schema(schema))
+        assert complete('"abc"', start) and complete("5", start) and complete('{"k": [true]}', start)
+        assert not complete(wrong, start)
+    nested = so.start(so.compile_schema({"type": "object", "properties": {"id": {"pattern": "^[0-9]{3}$"}},
+                                         "required": ["id"]}))
+    assert complete('{"id": "123"}', nested) and complete('{"id": 7}', nested) and not complete('{"id": "abc"}', nested)
+
+
+def test_regexes_of_the_same_classes_share_a_trie_and_tries_stay_within_their_budget(vocabulary, monkeypatch):
+    a, b = so.compile_regex("[a-z]+"), so.compile_regex("[a-z]{3}x?")
+    c = so.compile_regex("[a-z]{2,9}")
+    assert vocabulary._trie(a, plain=False) is vocabulary._trie(c, plain=False)  # the same classes
+    assert vocabulary._trie(b, plain=False) is not vocabulary._trie(a, plain=False)  # ("x" is a class of its own)
+    monkeypatch.setattr(so, "TRIE_CACHE_NODES", 1)  # over budget: only the newest stays
+    vocabulary._trie(so.compile_regex("[0-9]+"), plain=True)
+    assert len(vocabulary.tries) == 1 and vocabulary.trie_nodes == len(next(iter(vocabulary.tries.values())).children)
+
+
+def test_a_regex_never_allows_a_piece_of_a_character(vocabulary):
+    """Byte-level BPE's tokens of part of a character read as U+FFFD: a regex would count each
+    as a character, so regex and patterned-string states leave them out (plain strings keep
+    them: JSON takes the whole character they make)."""
+    pieces = np.array(["\ufffd" in text for text in vocabulary.texts])
+    assert pieces.any()
+    stops = (2, frozenset())
+    for start, prefix in ((so.start_regex(r"[\s\S]{0,5}"), ""),
+                          (so.start(so.compile_schema({"type": "string", "maxLength": 5})), '"')):
+        assert not (vocabulary.allowed(so.advance(start, prefix), *stops) & pieces).any()
+    plain = so.advance(so.start(so.compile_schema({"type": "string"})), '"')
+    assert (vocabulary.allowed(plain, *stops) & pieces).any()

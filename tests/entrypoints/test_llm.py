@@ -704,3 +704,10 @@ def test_priorities_reach_the_scheduler_under_the_priority_policy(llama_dir, llm
     assert llm.generate(PROMPTS[:1], greedy(3), use_tqdm=False, priority=[0])
     assert_clean(ranked)
     assert_clean(llm)
+
+
+def test_bad_words_token_ids_are_checked_like_every_other_list_of_ids(llm):
+    for ids in ([[10 ** 6]], [[]], [[-1]], [5]):
+        with pytest.raises(ValueError, match="bad_words"):
+            llm.generate("Hello", greedy(3, bad_words=["x"], bad_words_token_ids=ids), use_tqdm=False)
+    assert_clean(llm)

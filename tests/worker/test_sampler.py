@@ -433,6 +433,17 @@ def test_allowed_token_ids_are_all_a_row_samples_and_its_logprobs_are_theirs():
     assert Sampler(CPU, seed=0)(logits[:1], [row])[0] == [2]
 
 
+def test_a_ban_that_would_leave_nothing_to_sample_is_lifted():
+    """allowed_token_ids [5] with a bad word of token 5: token 5 (what it must say), not token 0
+    of a row of -inf; the other rows keep their bans."""
+    logits = torch.zeros(2, 8)
+    logits[:, 5] = 1.0
+    only_five = make_row(SamplingParams(temperature=0, allowed_token_ids=[5], bad_words=["x"],
+                                        bad_words_token_ids=[[5]]), req_id="a")
+    banned = make_row(SamplingParams(temperature=0, bad_words=["x"], bad_words_token_ids=[[5]]), req_id="b")
+    assert Sampler(CPU, seed=0)(logits, [only_five, banned])[0] == [5, 0]
+
+
 @pytest.mark.parametrize("output, banned", [
     ((), {7}),            # a one-token word is never sampled; the two-token word has no start yet
     ((3,), {7, 4}),       # after 3, the 4 that would complete [3, 4] is banned
