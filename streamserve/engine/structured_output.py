@@ -746,6 +746,7 @@ class Vocabulary:
         self.nothing = np.zeros(vocab_size, dtype=np.bool_)
         self.tries: OrderedDict[tuple, _ClassTrie] = OrderedDict()
         self.trie_nodes = 0
+        self.characters: Optional[set[str]] = None  # every character of the token texts
         # a regex reads whole characters: byte-level BPE's pieces of one (read as U+FFFD) are
         # never allowed there, where each would count as a character
         self.special_whole = [t for t in special if "\ufffd" not in self.texts[t]]
@@ -837,7 +838,9 @@ class Vocabulary:
         if trie is None:
             ids = np.flatnonzero(self.plain_in_string) if plain else range(self.vocab_size)
             ids = [t for t in ids if self.texts[t] and "\ufffd" not in self.texts[t]]
-            trie = self.tries[key] = _ClassTrie(regex, self.texts, ids)
+            if self.characters is None:
+                self.characters = set("".join(self.texts))
+            trie = self.tries[key] = _ClassTrie(regex, self.texts, ids, self.characters)
             self.trie_nodes += len(trie.children)
             while len(self.tries) > 1 and (len(self.tries) > TRIE_CACHE_SIZE or self.trie_nodes > TRIE_CACHE_NODES):
                 self.trie_nodes -= len(self.tries.popitem(last=False)[1].children)
@@ -851,21 +854,34 @@ class _ClassTrie:
     regex share a path, so a mask walks each distinct prefix once (49152 tokens of SmolLM2
     under [A-Za-z ,.]{1,200}: ~2k nodes) rather than every token a character at a time."""
 
-    def __init__(self, regex: Regex, texts: list[str], token_ids) -> None:
+    def __init__(self, regex: Regex, texts: list[str], token_ids, characters: set[str]) -> None:
+        """characters: every character of the texts. Each text is spelled in classes at once
+        (str.translate, one class a character), alike texts grouped, and the distinct ones
+        added in sorted order, each below the path it shares with the one before: the work
+        is the trie's nodes, not every token's every character."""
         self.children: list[dict[int, int]] = [{}]
         self.ends: list[list[int]] = [[]]  # per node, the tokens whose text ends there
-        class_of = regex.class_of
+        table = {ord(ch): regex.class_of(ch) for ch in characters}
+        spelled: dict[str, list[int]] = {}
         for token_id in token_ids:
-            node = 0
-            for ch in texts[token_id]:
-                cls = class_of(ch)
-                child = self.children[node].get(cls)
-                if child is None:
-                    child = self.children[node][cls] = len(self.children)
-                    self.children.append({})
-                    self.ends.append([])
-                node = child
-            self.ends[node].append(int(token_id))
+            spelled.setdefault(texts[token_id].translate(table), []).append(int(token_id))
+        children, ends, path, before = self.children, self.ends, [0], ""
+        for classes in sorted(spelled):
+            low, high = 0, min(len(before), len(classes))  # the longest prefix shared with `before`
+            while low < high:
+                mid = (low + high + 1) // 2
+                if before[:mid] == classes[:mid]:
+                    low = mid
+                else:
+                    high = mid - 1
+            del path[low + 1:]
+            for cls in map(ord, classes[low:]):
+                children[path[-1]][cls] = len(children)
+                path.append(len(children))
+                children.append({})
+                ends.append([])
+            ends[path[-1]] += spelled[classes]
+            before = classes
 
     def walk(self, regex: Regex, state: int) -> list[int]:
         """The tokens whose whole text the regex can read on from `state`."""
