@@ -856,32 +856,24 @@ class _ClassTrie:
 
     def __init__(self, regex: Regex, texts: list[str], token_ids, characters: set[str]) -> None:
         """characters: every character of the texts. Each text is spelled in classes at once
-        (str.translate, one class a character), alike texts grouped, and the distinct ones
-        added in sorted order, each below the path it shares with the one before: the work
-        is the trie's nodes, not every token's every character."""
+        (str.translate, one class a character) and alike texts grouped: each distinct
+        spelling is added once."""
         self.children: list[dict[int, int]] = [{}]
-        self.ends: list[list[int]] = [[]]  # per node, the tokens whose text ends there
+        self.ends: dict[int, list[int]] = {}  # node -> the tokens whose text ends there
         table = {ord(ch): regex.class_of(ch) for ch in characters}
         spelled: dict[str, list[int]] = {}
         for token_id in token_ids:
             spelled.setdefault(texts[token_id].translate(table), []).append(int(token_id))
-        children, ends, path, before = self.children, self.ends, [0], ""
-        for classes in sorted(spelled):
-            low, high = 0, min(len(before), len(classes))  # the longest prefix shared with `before`
-            while low < high:
-                mid = (low + high + 1) // 2
-                if before[:mid] == classes[:mid]:
-                    low = mid
-                else:
-                    high = mid - 1
-            del path[low + 1:]
-            for cls in map(ord, classes[low:]):
-                children[path[-1]][cls] = len(children)
-                path.append(len(children))
-                children.append({})
-                ends.append([])
-            ends[path[-1]] += spelled[classes]
-            before = classes
+        children = self.children
+        for classes, ids in spelled.items():
+            node = 0
+            for cls in map(ord, classes):
+                child = children[node].get(cls)
+                if child is None:
+                    child = children[node][cls] = len(children)
+                    children.append({})
+                node = child
+            self.ends[node] = ids
 
     def walk(self, regex: Regex, state: int) -> list[int]:
         """The tokens whose whole text the regex can read on from `state`."""
@@ -894,7 +886,8 @@ class _ClassTrie:
             for cls, child in children[node].items():
                 following = after.get(cls)
                 if following is not None:
-                    found += ends[child]
+                    if child in ends:
+                        found += ends[child]
                     if children[child]:
                         pending.append((child, following))
         return found
