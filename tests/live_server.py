@@ -1,15 +1,18 @@
-"""A streamserve server inside the test process, on a free port (start), or in a process of
-its own (start_server)."""
+"""A streamserve server inside the test process, on a free port (start; serve_in_thread, its
+loop on a thread of its own, for synchronous clients), or in a process of its own
+(start_server); and ways to bend its engine (slow, failing or scripted steps)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from typing import Callable
+from typing import Callable, Iterator, NamedTuple
 
 from aiohttp import web
 
@@ -29,6 +32,61 @@ async def start(model_dir: str, **settings) -> tuple[web.AppRunner, AsyncEngine,
     port = site._server.sockets[0].getsockname()[1]
     await engine.wait_ready()
     return runner, engine, f"http://127.0.0.1:{port}"
+
+
+class LiveServer(NamedTuple):
+    url: str
+    engine: AsyncEngine
+    model_name: str
+
+
+def serve_in_thread(model_dir: str, **settings) -> Iterator[LiveServer]:
+    """A server on a free port, its loop on a thread of its own (for a synchronous client,
+    such as Playwright's sync API or the openai client, on this thread); stopped after the
+    yield."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="live-server", daemon=True)
+    thread.start()
+    runner, engine, url = asyncio.run_coroutine_threadsafe(start(model_dir, **settings), loop).result(120)
+    try:
+        yield LiveServer(url, engine, model_dir)
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+class _ScriptedSampler:
+    """The runner's sampler, but each request's n-th token is the script's n-th (then EOS)."""
+
+    def __init__(self, sampler, script: list[int], eos: int) -> None:
+        self.sampler, self.script, self.eos = sampler, script, eos
+
+    def __call__(self, logits, rows, allowed=None):
+        _, logprobs = self.sampler(logits, rows, allowed)
+        tokens = []
+        for row in rows:
+            n = len(row.token_ids) - row.num_prompt_tokens
+            tokens.append(self.script[n] if n < len(self.script) else self.eos)
+        return tokens, logprobs
+
+    def __getattr__(self, name):
+        return getattr(self.sampler, name)
+
+
+@contextlib.contextmanager
+def scripted_replies(engine: AsyncEngine, text: str) -> Iterator[None]:
+    """Within it, every request the engine runs replies `text` (its tokens, then EOS), as a
+    model that says so would: for what a random model would not write by chance."""
+    runner = engine.engine_core.model_runner
+    sampler = runner.sampler
+    runner.sampler = _ScriptedSampler(sampler, engine.tokenizer.encode(text, add_special_tokens=False),
+                                      engine.renderer.eos_token_id)
+    try:
+        yield
+    finally:
+        runner.sampler = sampler
 
 
 def record_aborts(engine: AsyncEngine) -> list[str]:

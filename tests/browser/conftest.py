@@ -8,16 +8,13 @@ installs both and their absence is a failure.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
-import threading
-from typing import Callable, Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, Optional
 
 import pytest
 
-from live_server import start
-from streamserve.frontend.async_engine import AsyncEngine
+from live_server import LiveServer, serve_in_thread
 from tiny_models import build_model
 
 CONTEXT = 4096  # tokens: about 15 s of tiny-model reply, so Stop lands mid-stream
@@ -46,43 +43,20 @@ def browser():
         browser.close()
 
 
-class LiveServer(NamedTuple):
-    url: str
-    engine: AsyncEngine
-    model_name: str
-
-
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory) -> str:
     return build_model(str(tmp_path_factory.mktemp("chat") / "llama"), "llama", seed=0,
                        max_position_embeddings=CONTEXT)
 
 
-def _serve(model_dir: str, **settings) -> Iterator[LiveServer]:
-    """A server on a free port, its loop on a thread of its own (Playwright's sync API
-    owns this thread)."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="live-server", daemon=True)
-    thread.start()
-
-    runner, engine, url = asyncio.run_coroutine_threadsafe(start(model_dir, **settings), loop).result(120)
-    try:
-        yield LiveServer(url, engine, model_dir)
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        loop.close()
-
-
 @pytest.fixture(scope="module")
 def server(chat_model_dir) -> Iterator[LiveServer]:
-    yield from _serve(chat_model_dir)
+    yield from serve_in_thread(chat_model_dir)
 
 
 @pytest.fixture(scope="module")
 def keyed_server(chat_model_dir) -> Iterator[LiveServer]:
-    yield from _serve(chat_model_dir, api_key="sekret")
+    yield from serve_in_thread(chat_model_dir, api_key="sekret")
 
 
 # The random model may end a reply with its EOS token at any point, and the tests count
@@ -142,4 +116,4 @@ THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.cont
 
 @pytest.fixture(scope="module")
 def thinking_server(chat_model_dir) -> Iterator[LiveServer]:
-    yield from _serve(chat_model_dir, reasoning_parser="qwen3", chat_template=THINKING_TEMPLATE)
+    yield from serve_in_thread(chat_model_dir, reasoning_parser="qwen3", chat_template=THINKING_TEMPLATE)
