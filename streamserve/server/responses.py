@@ -325,7 +325,11 @@ class ResponseBuilder:
                 delta = choice.get("delta", {})
                 for event in self._reasoning(delta.get("reasoning") or ""):
                     yield event
-                for event in self._text(delta.get("content") or "", (choice.get("logprobs") or {}).get("content")):
+                logprobs = (choice.get("logprobs") or {}).get("content")
+                if self.call.reasoning and not delta.get("content") and (
+                        delta.get("reasoning") or self.open is None or self.items[self.open]["type"] != "message"):
+                    logprobs = None  # the thinking's tokens (its tags too): the message's logprobs are its text's
+                for event in self._text(delta.get("content") or "", logprobs):
                     yield event
                 for call in delta.get("tool_calls") or ():
                     for event in self._tool_call(call):

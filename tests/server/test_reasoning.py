@@ -137,3 +137,12 @@ def test_structured_output_holds_the_answer_and_leaves_the_thinking_free(server,
     answer = client.chat.completions.create(  # no block opened, none written: JSON from the start
         model="tiny", messages=user, max_tokens=40, temperature=0, response_format=fmt)
     assert answer.choices[0].message.content.lstrip().startswith("{")
+
+
+def test_a_responses_logprobs_are_its_messages_tokens_only(server, client):
+    with scripted_replies(server.engine, "<think>plan it well</think>the answer"):
+        response = client.responses.create(model="tiny", input="Think first.", max_output_tokens=40, temperature=0,
+                                           include=["message.output_text.logprobs"], top_logprobs=1)
+    text = response.output[1].content[0]
+    assert "".join(lp.token for lp in text.logprobs) == "the answer<|im_end|>"  # (and its end, as without reasoning)
+    assert text.text == "the answer"
