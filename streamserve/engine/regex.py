@@ -662,3 +662,50 @@ def compile_regex(pattern: str) -> Regex:
     determinizer = _Determinizer(nfa, nfa.coreachable())
     delta, accepts = determinizer.run(entry)
     return Regex(pattern, determinizer.bounds, delta, accepts)
+
+
+@functools.lru_cache(maxsize=REGEX_CACHE_SIZE)
+def intersect(a: Regex, b: Regex) -> Regex:
+    """The automaton of the texts both a and b match whole (a JSON schema string's pattern and
+    its minLength / maxLength): the product of the two, over classes both tell apart, its
+    states that cannot reach a match (where no text fits both on) pruned; refused past
+    MAX_DFA_STATES, or where no text fits both."""
+    bounds = sorted(set(a.bounds) | set(b.bounds))
+    lows = [0] + bounds  # each class's first code point, which tells its class in a and in b
+    in_a = [bisect.bisect_right(a.bounds, low) for low in lows]
+    in_b = [bisect.bisect_right(b.bounds, low) for low in lows]
+    pairs, ids = [(0, 0)], {(0, 0): 0}
+    delta: list[dict[int, int]] = []
+    while len(delta) < len(pairs):
+        state_a, state_b = pairs[len(delta)]
+        moves_a, moves_b = a.moves(state_a), b.moves(state_b)
+        row: dict[int, int] = {}
+        for c in range(len(lows)):
+            after = (moves_a.get(in_a[c]), moves_b.get(in_b[c]))
+            if after[0] is None or after[1] is None:
+                continue
+            if after not in ids:
+                if len(pairs) == MAX_DFA_STATES:
+                    raise RegexError(f"the pattern and the length together need more than {MAX_DFA_STATES} "
+                                     "automaton states")
+                ids[after] = len(pairs)
+                pairs.append(after)
+            row[c] = ids[after]
+        delta.append(row)
+    accepts = [a.accepting(x) and b.accepting(y) for x, y in pairs]
+    # Keep the states from which a match can be reached, numbered as they were found (the start first).
+    back: list[list[int]] = [[] for _ in pairs]
+    for state, row in enumerate(delta):
+        for target in row.values():
+            back[target].append(state)
+    alive, pending = list(accepts), [s for s, ok in enumerate(accepts) if ok]
+    while pending:
+        for source in back[pending.pop()]:
+            if not alive[source]:
+                alive[source] = True
+                pending.append(source)
+    if not alive[0]:
+        raise RegexError("no text matches both the pattern and the length")
+    number = {old: new for new, old in enumerate(s for s in range(len(pairs)) if alive[s])}
+    kept = [{c: number[t] for c, t in delta[s].items() if alive[t]} for s in number]
+    return Regex(f"({a.pattern})&({b.pattern})", bounds, kept, [accepts[s] for s in number])

@@ -27,8 +27,9 @@ What a schema may say: type (one or a list), properties, required, additionalPro
 (false, or with no properties true or a schema: a map), items, minItems, maxItems, enum and
 const (with type at most), anyOf, oneOf whose alternatives no value fits two of (_disjoint),
 allOf of one schema, $ref within the document (recursion included), and a string's pattern
-(matched whole) or minLength / maxLength (as the regex [\\s\\S]{m,n}; without a type, they
-hold strings and let other values pass); annotations (title,
+(matched whole) and / or minLength / maxLength (as the regex [\\s\\S]{m,n}, with a pattern
+their product automaton; without a type, they hold strings and let other values pass);
+annotations (title,
 description, format, default, ...) are read and ignored, as JSON Schema's own rules have it
 for format. An anyOf of alternatives that begin alike keeps several states alive; nested
 deep, they would double with each level: at most MAX_STATES are kept (the first ones), so
@@ -50,7 +51,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from streamserve.engine.regex import Regex, RegexError, compile_regex
+from streamserve.engine.regex import Regex, RegexError, compile_regex, intersect
 
 logger = logging.getLogger(__name__)
 
@@ -271,18 +272,16 @@ class _Compiler:
                 raise SchemaError(f"{where}: {name} must be a non-negative integer")
             if bound is not None and bound > MAX_LENGTH_BOUND:
                 raise SchemaError(f"{where}: {name} {bound} is past what is supported ({MAX_LENGTH_BOUND})")
-        if pattern is not None and (low is not None or high is not None):
-            raise SchemaError(f"{where}: pattern beside minLength or maxLength is not supported")
-        if low is not None or high is not None:
-            if high is not None and (low or 0) > high:
-                raise SchemaError(f"{where}: minLength ({low}) is more than maxLength ({high})")
-            pattern = "[\\s\\S]{%d,%s}" % (low or 0, "" if high is None else high)
-        elif pattern is None:
-            return None
-        elif not isinstance(pattern, str):
+        if pattern is not None and not isinstance(pattern, str):
             raise SchemaError(f"{where}: pattern must be a string (a regular expression)")
+        if high is not None and (low or 0) > high:
+            raise SchemaError(f"{where}: minLength ({low}) is more than maxLength ({high})")
+        lengths = None if low is None and high is None else "[\\s\\S]{%d,%s}" % (low or 0, "" if high is None else high)
         try:
-            return compile_regex(pattern)
+            if pattern is not None and lengths is not None:  # both: the texts that fit both
+                return intersect(compile_regex(pattern), compile_regex(lengths))
+            only = pattern if pattern is not None else lengths
+            return None if only is None else compile_regex(only)
         except RegexError as exc:
             raise SchemaError(f"{where}: {exc}") from None
 

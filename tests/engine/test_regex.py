@@ -4,6 +4,7 @@ mutations of realistic matches, its prefixes against brute force, and what it re
 
 from __future__ import annotations
 
+import itertools
 import random
 import re
 from collections import deque
@@ -317,3 +318,26 @@ def test_compiled_patterns_are_cached_by_text():
     assert compile_regex(r"\d+(\.\d+)?") is compile_regex(r"\d+(\.\d+)?")
     assert compile_regex("a+") is not compile_regex("a*")
     assert compile_regex.cache_info().maxsize == rx.REGEX_CACHE_SIZE == 64
+
+
+@pytest.mark.parametrize("pattern, other", [
+    ("[a-z]+", r"[\s\S]{2,4}"), ("(ab|a)*c?", r"[\s\S]{0,3}"), (r"\d+(\.\d+)?", "[0-9.]{3}"),
+    ("(a|b)*a", "(a|b)*b(a|b)*"), ("x*", r"[\s\S]{1,}"),
+])
+def test_an_intersection_matches_what_both_match(pattern, other):
+    from streamserve.engine.regex import intersect
+
+    both = intersect(compile_regex(pattern), compile_regex(other))
+    alphabet = "ab1.xc Z"
+    texts = [""] + ["".join(t) for n in range(1, 6) for t in itertools.product(alphabet, repeat=n)][:20000]
+    for text in texts:
+        expected = re.fullmatch(pattern, text) is not None and re.fullmatch(other, text) is not None
+        assert matches(both, text) == expected, (pattern, other, text)
+    for state in range(both.num_states):  # every state can still reach a match (dead pairs pruned)
+        seen, pending = {state}, [state]
+        while pending and not any(both.accepting(s) for s in pending):
+            pending = [t for s in pending for t in both.moves(s).values() if t not in seen]
+            seen.update(pending)
+        assert pending, (pattern, other, state)
+    with pytest.raises(RegexError, match="no text matches both"):
+        intersect(compile_regex("a{3}"), compile_regex(r"[\s\S]{0,2}"))

@@ -296,7 +296,7 @@ def test_a_schema_admits_its_values_in_order(index, text, ok):
 
 @pytest.mark.parametrize("schema, words", [
     ({"type": "string", "pattern": "a(?=b)"}, "lookahead"), ({"type": "string", "pattern": 5}, "must be a string"),
-    ({"type": "string", "pattern": "a+", "maxLength": 3}, "pattern beside minLength"),
+    ({"type": "string", "pattern": "a{5}", "maxLength": 3}, "no text matches both"),
     ({"type": "string", "minLength": 3, "maxLength": 2}, "more than maxLength"),
     ({"type": "string", "minLength": -1}, "non-negative integer"),
     ({"type": "string", "maxLength": 10 ** 6}, "maxLength 1000000 is past what is supported"),
@@ -448,6 +448,11 @@ def test_a_regex_output_is_a_prefix_until_it_matches_whole():
 
 
 @pytest.mark.parametrize("schema, text, ok", [
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4}, '"abcd"', True),  # both hold
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4}, '"abcde"', False),
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4}, '"a"', False),
+    ({"type": "string", "pattern": "^[a-z]+$", "minLength": 2, "maxLength": 4}, '"aB"', False),
+    ({"type": "string", "pattern": "", "maxLength": 4}, '""', True),
     ({"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"}, '"bob@example.com"', True),
     ({"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"}, '"bob@example.co"', False),
     ({"type": "string", "pattern": "^[a-z]+@[a-z]+\\.com$"}, '"Bob@example.com"', False),
