@@ -586,17 +586,24 @@ class _Determinizer:
             for c, seeds in moves.items():
                 key = tuple(seeds)
                 if key not in by_targets:
-                    subset = self.closure(seeds)
-                    if subset not in ids:
-                        if len(subsets) == MAX_DFA_STATES:
-                            raise RegexError(f"the regex needs more than {MAX_DFA_STATES} deterministic "
-                                             "automaton states (a pattern such as (a|b)*a(a|b){20} does)")
-                        ids[subset] = len(subsets)
-                        subsets.append(subset)
-                    by_targets[key] = ids[subset]
+                    by_targets[key] = _number(ids, subsets, self.closure(seeds),
+                                              f"the regex needs more than {MAX_DFA_STATES} deterministic automaton "
+                                              "states (a pattern such as (a|b)*a(a|b){20} does)")
                 row[c] = by_targets[key]
             delta.append(row)
         return delta, [ACCEPT in subset for subset in subsets]
+
+
+def _number(ids: dict, states: list, state, too_many: str) -> int:
+    """The state's number in `states` (a new one, appended, where it has none); past
+    MAX_DFA_STATES, RegexError(too_many)."""
+    number = ids.get(state)
+    if number is None:
+        if len(states) == MAX_DFA_STATES:
+            raise RegexError(too_many)
+        number = ids[state] = len(states)
+        states.append(state)
+    return number
 
 
 class Regex:
@@ -682,15 +689,9 @@ def intersect(a: Regex, b: Regex) -> Regex:
         row: dict[int, int] = {}
         for c in range(len(lows)):
             after = (moves_a.get(in_a[c]), moves_b.get(in_b[c]))
-            if after[0] is None or after[1] is None:
-                continue
-            if after not in ids:
-                if len(pairs) == MAX_DFA_STATES:
-                    raise RegexError(f"the pattern and the length together need more than {MAX_DFA_STATES} "
-                                     "automaton states")
-                ids[after] = len(pairs)
-                pairs.append(after)
-            row[c] = ids[after]
+            if after[0] is not None and after[1] is not None:
+                row[c] = _number(ids, pairs, after, f"the pattern and the length together need more than "
+                                                    f"{MAX_DFA_STATES} automaton states")
         delta.append(row)
     accepts = [a.accepting(x) and b.accepting(y) for x, y in pairs]
     # Keep the states from which a match can be reached, numbered as they were found (the start first).
