@@ -334,22 +334,28 @@ async def detokenize(request: web.Request) -> web.Response:
     return json_response({"prompt": request.app[ENGINE].tokenizer.decode(tokens)})
 
 
-def _chat_logprob(entry: dict[int, Logprob], n: int) -> dict[str, Any]:
+def _token_name(token_id: int, lp: Logprob, as_ids: bool) -> str:
+    """A logprob's token as the response names it: its text, or with vLLM's
+    return_tokens_as_token_ids "token_id:N" (tokens that are no whole text told apart)."""
+    return f"token_id:{token_id}" if as_ids else lp.decoded_token or ""
+
+
+def _chat_logprob(entry: dict[int, Logprob], n: int, as_ids: bool = False) -> dict[str, Any]:
     """One chat token's logprob entry: the sampled token (first in `entry`) and its top n."""
-    sampled = next(iter(entry.values()))
-    top = sorted((lp for lp in entry.values() if lp.rank <= n), key=lambda lp: lp.rank)[:n]
-    shape = lambda lp: {"token": lp.decoded_token, "logprob": lp.logprob,  # noqa: E731
-                        "bytes": list(lp.token_bytes if lp.token_bytes is not None
-                                      else (lp.decoded_token or "").encode())}
-    return {**shape(sampled), "top_logprobs": [shape(lp) for lp in top]}
+    sampled = next(iter(entry.items()))
+    top = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= n), key=lambda item: item[1].rank)[:n]
+    shape = lambda t, lp: {"token": _token_name(t, lp, as_ids), "logprob": lp.logprob,  # noqa: E731
+                           "bytes": list(lp.token_bytes if lp.token_bytes is not None
+                                         else (lp.decoded_token or "").encode())}
+    return {**shape(*sampled), "top_logprobs": [shape(t, lp) for t, lp in top]}
 
 
-def _top_by_text(entry: dict[int, Logprob]) -> dict[str, float]:
-    """Completions' top_logprobs, keyed by text: where tokens decode alike, the sampled token
-    (first in `entry`) keeps its own value, then the better-ranked one."""
+def _top_by_text(entry: dict[int, Logprob], as_ids: bool = False) -> dict[str, float]:
+    """Completions' top_logprobs, keyed by text (or "token_id:N"): where tokens decode alike,
+    the sampled token (first in `entry`) keeps its own value, then the better-ranked one."""
     top: dict[str, float] = {}
-    for lp in entry.values():
-        top.setdefault(lp.decoded_token or "", lp.logprob)
+    for token_id, lp in entry.items():
+        top.setdefault(_token_name(token_id, lp, as_ids), lp.logprob)
     return top
 
 
@@ -381,6 +387,9 @@ class _Call:
                                     else (None, prompt))
         self.echo = protocol.echo_setting(body, chat)
         self.priority = request_priority(self.engine, body)
+        self.tokens_as_ids = body.get("return_tokens_as_token_ids") or False  # (vLLM's)
+        if not isinstance(self.tokens_as_ids, bool):
+            raise bad_request("'return_tokens_as_token_ids' must be a boolean", "return_tokens_as_token_ids")
         # echo with max_tokens 0 (scoring a text): the prompt alone comes back; one token is
         # generated, as vLLM does, and left out of the response
         self.echo_only = self.echo and type(body.get("max_tokens")) is int and body["max_tokens"] == 0
@@ -510,18 +519,18 @@ class _Call:
         """OpenAI's logprobs object for these tokens (chat or completions shape)."""
         if entries is None:
             return None
-        n = self.params.logprobs or 0
+        n, as_ids = self.params.logprobs or 0, self.tokens_as_ids
         if self.chat:
-            return {"content": [_chat_logprob(entry, n) for entry in entries]}
+            return {"content": [_chat_logprob(entry, n, as_ids) for entry in entries]}
         tokens, offsets = [], []
         for entry in entries:
             offsets.append(text_offset)
-            token = next(iter(entry.values())).decoded_token or ""
-            tokens.append(token)
-            text_offset += len(token)
+            token_id, sampled = next(iter(entry.items()))
+            tokens.append(_token_name(token_id, sampled, as_ids))
+            text_offset += len(sampled.decoded_token or "")
         logprobs = [next(iter(e.values())).logprob for e in entries]
         return {"tokens": tokens, "token_logprobs": logprobs,
-                "top_logprobs": [None if lp is None else _top_by_text(e) for e, lp in zip(entries, logprobs)],
+                "top_logprobs": [None if lp is None else _top_by_text(e, as_ids) for e, lp in zip(entries, logprobs)],
                 "text_offset": offsets}
 
     def prompt_entries(self, delta: RequestOutput) -> tuple[int, list[dict[int, Logprob]]]:

@@ -397,6 +397,30 @@ def test_completion_logprobs_match_the_engine(client, offline):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_tokens_as_token_ids_name_each_logprobs_token_by_its_id(server, client, offline):
+    """vLLM's return_tokens_as_token_ids: "token_id:N" for the tokens and top tokens, completions
+    and chat alike; the text and its offsets are as without it."""
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+    expected = offline.generate("hello world", params, use_tqdm=False)[0].outputs[0]
+    named = [f"token_id:{t}" for t in expected.token_ids]
+    plain = client.completions.create(model="tiny", prompt="hello world", max_tokens=6, temperature=0, logprobs=2)
+    result = client.completions.create(model="tiny", prompt="hello world", max_tokens=6, temperature=0, logprobs=2,
+                                       extra_body={"return_tokens_as_token_ids": True})
+    lp = result.choices[0].logprobs
+    assert lp.tokens == named and result.choices[0].text == plain.choices[0].text
+    assert lp.text_offset == plain.choices[0].logprobs.text_offset
+    assert all(name in top for name, top in zip(named, lp.top_logprobs))
+    assert all(key.startswith("token_id:") for top in lp.top_logprobs for key in top)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"return_tokens_as_token_ids": True})
+    for entry in chat.choices[0].logprobs.content:
+        assert re.fullmatch(r"token_id:\d+", entry.token)
+        assert all(re.fullmatch(r"token_id:\d+", top.token) for top in entry.top_logprobs)
+    status, error = post(server + "/v1/completions", {"prompt": "hi", "return_tokens_as_token_ids": "yes"})
+    assert status == 400 and error["error"]["param"] == "return_tokens_as_token_ids"
+
+
 def test_chat_logprobs_streamed_and_not(client):
     messages = [{"role": "user", "content": "hi"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
