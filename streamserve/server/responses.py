@@ -151,7 +151,9 @@ def read_input(items: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
                            "call_id": item["call_id"], "output": output, "status": "completed"})
         elif kind == "reasoning":  # an earlier reply's reasoning handed back: listed, not read (chat
             # templates leave earlier turns' thinking out)
-            texts = [part.get("text") for part in item.get("content") or () if isinstance(part, dict)]
+            parts = item.get("content") or []
+            texts = [part.get("text") if isinstance(part, dict) else None for part in parts] \
+                if isinstance(parts, list) else [None]
             if not all(isinstance(t, str) for t in texts):
                 raise bad_request(f"{where}: a reasoning item's content is a list of {{\"type\": \"reasoning_text\", "
                                   "\"text\": ...}} parts", "input")

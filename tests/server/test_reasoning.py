@@ -3,6 +3,10 @@ content, streamed or not; the reader on its own against every way a reply can be
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+
 import openai
 import pytest
 
@@ -146,3 +150,13 @@ def test_a_responses_logprobs_are_its_messages_tokens_only(server, client):
     text = response.output[1].content[0]
     assert "".join(lp.token for lp in text.logprobs) == "the answer<|im_end|>"  # (and its end, as without reasoning)
     assert text.text == "the answer"
+
+
+def test_a_malformed_reasoning_item_is_a_400(server):
+    for content in (1, "text", [1], [{"text": 5}], {"text": "x"}):
+        body = {"model": "tiny", "input": [{"type": "reasoning", "content": content}, {"role": "user", "content": "x"}]}
+        request = urllib.request.Request(server.url + "/v1/responses", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(request)
+        assert raised.value.code == 400 and json.loads(raised.value.read())["error"]["param"] == "input", content
