@@ -15,8 +15,10 @@ Items are written one at a time: each is done before the next is added. Response
 --responses-memory: GET /v1/responses/{id} returns one, GET .../input_items lists its input,
 DELETE forgets it, and `previous_response_id` goes on from one's conversation (its input and
 output; not its instructions, as OpenAI has it). What this server cannot do is refused with a
-400: inputs other than text, function calls and their outputs; tools other than functions;
-background runs, reasoning settings, conversations, prompt templates and truncation "auto".
+400: inputs other than text, function calls, their outputs and reasoning; tools other than
+functions; background runs, reasoning settings without --reasoning-parser, conversations,
+prompt templates and truncation "auto". With --reasoning-parser, the reply's thinking is a
+reasoning item (reasoning.py), and effort "none" asks the template for no thinking.
 The usage counts the prompt tokens read from the prefix cache as cached_tokens; there is no
 separate account of tokens written to it (cache_write_tokens is 0).
 """
@@ -217,14 +219,33 @@ def _text_format(body: dict[str, Any]) -> Optional[dict[str, Any]]:
     return {"type": kind}
 
 
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_SUMMARIES = ("auto", "concise", "detailed")
+
+
+def _reasoning(body: dict[str, Any], parser: bool) -> Optional[dict[str, Any]]:
+    """The body's reasoning settings (None: none), taken where the server reads reasoning
+    (--reasoning-parser): effort "none" asks the template for no thinking (Qwen3's
+    enable_thinking false); the other efforts leave the model to its own; a summary is not
+    written (the reasoning item holds the reasoning's text)."""
+    reasoning = body.get("reasoning")
+    if reasoning is None or isinstance(reasoning, dict) and all(v is None for v in reasoning.values()):
+        return None
+    if not parser:
+        raise bad_request("'reasoning': this server reads no reasoning (start it with --reasoning-parser)", "reasoning")
+    if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary", "generate_summary"} \
+            or reasoning.get("effort") not in (None, *_EFFORTS) \
+            or any(reasoning.get(k) not in (None, *_SUMMARIES) for k in ("summary", "generate_summary")):
+        raise bad_request(f"'reasoning' takes 'effort' (one of {', '.join(_EFFORTS)}) and 'summary' (one of "
+                          f"{', '.join(_SUMMARIES)})", "reasoning")
+    return {"effort": reasoning.get("effort"), "summary": reasoning.get("summary") or reasoning.get("generate_summary")}
+
+
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     for key, what in (("background", "background runs"), ("conversation", "conversations"),
                       ("prompt", "prompt templates"), ("max_tool_calls", "a limit on tool calls")):
         if body.get(key) not in (None, False):
             raise bad_request(f"'{key}': this server does not support {what}", key)
-    reasoning = body.get("reasoning")
-    if reasoning is not None and not (isinstance(reasoning, dict) and all(v is None for v in reasoning.values())):
-        raise bad_request("'reasoning': this server has no reasoning settings", "reasoning")
     if body.get("truncation") not in (None, "disabled"):
         raise bad_request("'truncation' must be 'disabled': an input too long for the context is refused",
                           "truncation")
@@ -246,8 +267,9 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
 class ResponsesRequest:
     """A Responses body, checked, and the chat body it runs as."""
 
-    def __init__(self, body: dict[str, Any], store: ResponseStore) -> None:
+    def __init__(self, body: dict[str, Any], store: ResponseStore, reasoning_parser: bool = False) -> None:
         _refuse_unsupported(body)
+        self.reasoning = _reasoning(body, reasoning_parser)
         self.body = body
         self.stream = bool(body.get("stream"))
         self.store = body.get("store") is not False
@@ -268,6 +290,10 @@ class ResponsesRequest:
         chat = {"model": body.get("model"), "messages": system + self.conversation, "stream": True,
                 "stream_options": {"include_usage": True}, **_tools(body)}
         chat.update({k: body[k] for k in _SAMPLING if body.get(k) is not None})
+        if self.reasoning is not None and self.reasoning["effort"] == "none":
+            kwargs = chat.get("chat_template_kwargs", {})
+            if isinstance(kwargs, dict):  # (where it is not, the chat's check names it)
+                chat["chat_template_kwargs"] = {"enable_thinking": False, **kwargs}
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
             if isinstance(chat["max_tokens"], int) and chat["max_tokens"] < 1:
@@ -302,7 +328,7 @@ class ResponseBuilder:
             "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
             "metadata": body.get("metadata") or {}, "model": call.model, "output": [],
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
-            "previous_response_id": body.get("previous_response_id"), "reasoning": None,
+            "previous_response_id": body.get("previous_response_id"), "reasoning": request.reasoning,
             "store": request.store, "temperature": body.get("temperature", 1.0),
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
@@ -463,7 +489,8 @@ class ResponseBuilder:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     store = request.app[RESPONSES]
-    wanted = ResponsesRequest(await read_body(request), store)
+    wanted = ResponsesRequest(await read_body(request), store,
+                              request.app[CONFIG].server.reasoning_parser is not None)
     try:
         call = _Call(request, wanted.chat, chat=True)
     except APIError as exc:  # a chat field's error, named as the Responses body names it

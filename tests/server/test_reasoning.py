@@ -16,7 +16,9 @@ from streamserve.server.reasoning import ReasoningReader, opens_thinking
 
 # the tiny models' template, opening a <think> block in the prompt when asked to
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% if think %}<think>\n{% endif %}{% endif %}")
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% if think %}<think>\n{% endif %}"
+            "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+            "{% endif %}")  # (and as Qwen3's, an empty closed block for enable_thinking false)
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
@@ -160,3 +162,19 @@ def test_a_malformed_reasoning_item_is_a_400(server):
         with pytest.raises(urllib.error.HTTPError) as raised:
             urllib.request.urlopen(request)
         assert raised.value.code == 400 and json.loads(raised.value.read())["error"]["param"] == "input", content
+
+
+def test_a_responses_reasoning_effort_none_asks_the_template_for_no_thinking(server, client):
+    """OpenAI's reasoning settings, taken where the server reads reasoning: effort "none" is
+    Qwen3's enable_thinking false (an empty block closed in the prompt); the response says what
+    was asked; a setting it does not know is a 400."""
+    kwargs = dict(model="tiny", input="Think first.", max_output_tokens=4, temperature=0)
+    plain = client.responses.create(**kwargs)
+    for effort in ("none", "high"):
+        response = client.responses.create(**kwargs, reasoning={"effort": effort, "summary": "auto"})
+        closed = len(server.engine.tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
+        assert response.usage.input_tokens == plain.usage.input_tokens + (closed if effort == "none" else 0)
+        assert response.reasoning.effort == effort and response.reasoning.summary == "auto"
+    for reasoning in ({"effort": "extreme"}, {"summary": "long"}, {"budget": 5}, "high"):
+        with pytest.raises(openai.BadRequestError, match="reasoning"):
+            client.responses.create(**kwargs, reasoning=reasoning)
