@@ -46,6 +46,7 @@ import functools
 import json
 import logging
 import re
+import threading
 from collections import OrderedDict
 from typing import Any, Optional
 
@@ -712,6 +713,35 @@ def advance(states: Optional[States], text: str) -> Optional[States]:
     return states or None
 
 
+def regexes(states: States) -> set[tuple[Regex, bool]]:
+    """The regexes whose token tries the masks of these states, and of those after them, may
+    walk: (regex, whether it reads a JSON string's text), for Vocabulary.prepare."""
+    found: set[tuple[Regex, bool]] = set()
+    for mode, _, aux, _ in states:
+        if mode == REGEX:
+            found.add((aux[0], False))
+        elif mode in (OPENING, THINKING):
+            found |= regexes(aux[1])
+        elif mode == VALUE:
+            found |= _patterns(aux)
+    return found
+
+
+@functools.lru_cache(maxsize=SCHEMA_CACHE_SIZE)
+def _patterns(root: Node) -> frozenset[tuple[Regex, bool]]:
+    """The patterns of the strings a value of `root` may hold, anywhere within it."""
+    found, seen, pending = set(), set(), [root]
+    while pending:
+        node = pending.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.kind == STRING_VALUE and node.pattern is not None:
+            found.add((node.pattern, True))
+        pending += [n for n in (*node.values, node.extra, node.item, *node.alternatives) if n is not None]
+    return frozenset(found)
+
+
 def is_complete(states: Optional[States]) -> bool:
     return bool(states) and any(map(accepting, states))
 
@@ -745,6 +775,7 @@ class Vocabulary:
         self.nothing = np.zeros(vocab_size, dtype=np.bool_)
         self.tries: OrderedDict[tuple, _ClassTrie] = OrderedDict()
         self.trie_nodes = 0
+        self.trie_lock = threading.Lock()  # prepare builds tries on the server's threads
         self.characters: Optional[set[str]] = None  # every character of the token texts
         # a regex reads whole characters: byte-level BPE's pieces of one (read as U+FFFD) are
         # never allowed there, where each would count as a character
@@ -829,23 +860,34 @@ class Vocabulary:
         return mask
 
 
+    def prepare(self, wanted: set[tuple[Regex, bool]]) -> None:
+        """Build the tries these regexes' masks will walk (structured_output.regexes), so that
+        the engine thread finds them built: the server calls this on a thread of its own."""
+        for regex, plain in wanted:
+            self._trie(regex, plain)
+
     def _trie(self, regex: Regex, plain: bool) -> "_ClassTrie":
         """The tokens (plain: those that stay inside a string) as a trie of `regex`'s classes,
         shared by every regex of the same classes ([a-z]+ and [a-z]{3}, or any two lengths)."""
         key = (regex.bounds, plain)
-        trie = self.tries.get(key)
-        if trie is None:
-            ids = np.flatnonzero(self.plain_in_string) if plain else range(self.vocab_size)
-            ids = [t for t in ids if self.texts[t] and "\ufffd" not in self.texts[t]]
-            if self.characters is None:
-                self.characters = set("".join(self.texts))
-            trie = self.tries[key] = _ClassTrie(regex, self.texts, ids, self.characters)
-            self.trie_nodes += len(trie.children)
-            while len(self.tries) > 1 and (len(self.tries) > TRIE_CACHE_SIZE or self.trie_nodes > TRIE_CACHE_NODES):
-                self.trie_nodes -= len(self.tries.popitem(last=False)[1].children)
-        else:
-            self.tries.move_to_end(key)
-        return trie
+        with self.trie_lock:
+            trie = self.tries.get(key)
+            if trie is not None:
+                self.tries.move_to_end(key)
+                return trie
+        ids = np.flatnonzero(self.plain_in_string) if plain else range(self.vocab_size)
+        ids = [t for t in ids if self.texts[t] and "\ufffd" not in self.texts[t]]
+        if self.characters is None:
+            self.characters = set("".join(self.texts))
+        built = _ClassTrie(regex, self.texts, ids, self.characters)  # (outside the lock: the slow part)
+        with self.trie_lock:
+            trie = self.tries.setdefault(key, built)
+            if trie is built:
+                self.trie_nodes += len(trie.children)
+                while len(self.tries) > 1 and (len(self.tries) > TRIE_CACHE_SIZE
+                                               or self.trie_nodes > TRIE_CACHE_NODES):
+                    self.trie_nodes -= len(self.tries.popitem(last=False)[1].children)
+            return trie
 
 
 class _ClassTrie:

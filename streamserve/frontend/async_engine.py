@@ -26,6 +26,7 @@ from collections import deque
 from typing import AsyncIterator, Callable, Optional, Union
 
 from streamserve.config import Config
+from streamserve.engine import structured_output as so
 from streamserve.engine.core import EngineCore, StepFailed
 from streamserve.engine.request import EngineCoreOutput
 from streamserve.frontend.input_processor import InputProcessor
@@ -118,6 +119,12 @@ class AsyncEngine:
         the priority policy, lower runs first."""
         if not self.is_ready:
             raise EngineDeadError("the engine is not ready")
+        self.input_processor.validate(prompt_token_ids, params)
+        self.input_processor.check_priority(priority)
+        if params.structured_outputs is not None:  # its regexes' token tries, built off the engine thread
+            wanted = so.regexes(so.start_states(params.structured_outputs))
+            if wanted:
+                await asyncio.to_thread(_prepare_masks, self.engine_core, wanted)
         taken = lambda rid: rid in self._queues or rid in self.output_processor.parents  # noqa: E731
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -125,8 +132,6 @@ class AsyncEngine:
                 request_id = f"req-{next(self._ids)}"
         elif taken(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.input_processor.validate(prompt_token_ids, params)
-        self.input_processor.check_priority(priority)
         queue: asyncio.Queue = asyncio.Queue()
         children = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params,
                                                      stream=True)
@@ -248,6 +253,13 @@ class AsyncEngine:
                 queue = self._queues.get(parent_id)
                 if queue is not None:
                     queue.put_nowait(exc)
+
+
+def _prepare_masks(core: EngineCore, wanted: set) -> None:
+    try:
+        core.scheduler.vocabulary().prepare(wanted)
+    except Exception:  # the engine builds what it needs itself, and says what failed
+        logger.warning("could not build structured output's token tries ahead", exc_info=True)
 
 
 def _read_ahead(core: EngineCore) -> None:

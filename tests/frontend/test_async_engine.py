@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import threading
 import time
 
 import pytest
 
-from streamserve import LLM, SamplingParams
+from streamserve import LLM, SamplingParams, StructuredOutputsParams
 from streamserve.config import Config
+from streamserve.engine import structured_output as so
 from streamserve.frontend.async_engine import AsyncEngine, EngineDeadError
 from live_server import record_aborts, slow_steps
 
@@ -288,3 +291,41 @@ def test_structured_outputs_token_texts_are_read_ahead(llama_dir):
         return built
 
     assert asyncio.run(main()) is not None
+
+
+def test_a_regexs_token_trie_is_built_off_the_engine_thread(llama_dir, monkeypatch):
+    """Masks of regex states walk a trie of the tokens (0.05-0.4 s to build on SmolLM2's
+    vocabulary): generate builds it on a thread of its own before the request reaches the
+    engine, whose steps would stall every stream while it built one."""
+    built = []
+    original = so._ClassTrie.__init__
+    monkeypatch.setattr(so._ClassTrie, "__init__",
+                        lambda self, *args: built.append(threading.current_thread().name) or original(self, *args))
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-f]{2,4}$"}},
+              "required": ["code"]}
+    requests = [StructuredOutputsParams(regex="(red|blue)-[0-9]{2}"), StructuredOutputsParams(json=schema)]
+
+    async def main():
+        engine = make_engine(llama_dir)
+        engine.start()
+        await engine.wait_ready()
+        texts = [await collect(engine, "hello", SamplingParams(temperature=1.0, seed=1, max_tokens=30,
+                                                                structured_outputs=s)) for s in requests]
+        await engine.shutdown()
+        return texts
+
+    (regex_text, _, _), (json_text, _, _) = asyncio.run(main())
+    assert re.fullmatch("(red|blue)-[0-9]{2}", regex_text)
+    assert len(built) == 2 and "streamserve-engine" not in built, built
+
+
+def test_the_regexes_a_structure_may_walk_are_found_wherever_they_sit():
+    schema = {"$defs": {"node": {"type": "object", "properties": {
+        "tag": {"anyOf": [{"type": "string", "pattern": "^[a-z]+$"}, {"type": "null"}]},
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+        "type": "object", "properties": {"root": {"$ref": "#/$defs/node"}, "id": {"type": "string", "maxLength": 3}}}
+    found = so.regexes(so.start_states(StructuredOutputsParams(json=schema, thinking="may")))
+    assert sorted(regex.pattern for regex, in_string in found if in_string) == ["[\\s\\S]{0,3}", "^[a-z]+$"]
+    assert {regex.pattern for regex, in_string in so.regexes(so.start_states(
+        StructuredOutputsParams(regex="a+", thinking="inside")))} == {"a+"}
+    assert so.regexes(so.start_states(StructuredOutputsParams(json_object=True))) == set()
