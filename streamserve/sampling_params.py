@@ -35,6 +35,9 @@ class StructuredOutputsParams:
     # "inside" (the prompt opened it) or "may" (the reply may open one); the block's text is
     # free, the structure starts after its </think> (as vLLM holds only the answer to it).
     thinking: Optional[str] = None
+    # Derived: the recognizer's states before the output (structured_output.start_states), made
+    # once here for every request of these params
+    states: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         from streamserve.engine.structured_output import SchemaError, start_states
@@ -53,8 +56,8 @@ class StructuredOutputsParams:
         if self.choice is not None and not (isinstance(self.choice, list) and self.choice
                                             and all(isinstance(c, str) and c for c in self.choice)):
             raise ParamError("choice must be a non-empty list of non-empty strings", "structured_outputs")
-        try:
-            start_states(self)  # compiles (and caches) the schema: a bad one is refused here
+        try:  # (a schema or regex it cannot hold an output to is refused here)
+            object.__setattr__(self, "states", start_states(self))
         except SchemaError as exc:
             raise ParamError(str(exc), "structured_outputs") from None
 

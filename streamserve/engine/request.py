@@ -13,7 +13,6 @@ import time
 from typing import NamedTuple, Optional
 
 from streamserve.engine.scheduler_output import TokenLogprobs
-from streamserve.engine.structured_output import start_states
 from streamserve.sampling_params import ParamError, SamplingParams
 
 
@@ -121,7 +120,7 @@ class Request:
         self.num_prompt_logprobs = 0  # prompt logprobs reported so far (of num_prompt_tokens - 1)
         # structured output: the recognizer's states after the output so far (structured_output.py)
         structured = sampling_params.structured_outputs
-        self.structured_state = None if structured is None else start_states(structured)
+        self.structured_state = None if structured is None else structured.states
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -122,7 +122,7 @@ class AsyncEngine:
         self.input_processor.validate(prompt_token_ids, params)
         self.input_processor.check_priority(priority)
         if params.structured_outputs is not None:  # its regexes' token tries, built off the engine thread
-            wanted = so.regexes(so.start_states(params.structured_outputs))
+            wanted = so.regexes(params.structured_outputs.states)
             if wanted:
                 await asyncio.to_thread(_prepare_masks, self.engine_core, wanted)
         taken = lambda rid: rid in self._queues or rid in self.output_processor.parents  # noqa: E731
