@@ -18,10 +18,13 @@ from typing import Any, Optional
 from streamserve.config import Config, ServerConfig
 
 
-def _scalar_type(hint: Any) -> type:
-    """int / float / str / bool out of a hint such as Optional[int]."""
+def _scalar_type(hint: Any) -> tuple[type, bool]:
+    """int / float / str / bool out of a hint such as Optional[int], and whether it is a list of them."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
+    kind = args[0] if args else hint
+    if typing.get_origin(kind) is list:
+        return typing.get_args(kind)[0], True
+    return kind, False
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +34,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         hints = typing.get_type_hints(Config.part_classes()[part])
         for f in fields:
             flag = "--" + f.name.replace("_", "-")
-            kind = _scalar_type(hints[f.name])
+            kind, many = _scalar_type(hints[f.name])
             help_text = f.metadata.get("help", "")
             if kind is bool:
                 if f.default:
@@ -43,7 +46,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             else:
                 if "default:" not in help_text:
                     help_text += " (default: %(default)s)"
-                group.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text)
+                group.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text,
+                                   nargs="+" if many else None)
 
 
 def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,6 +79,7 @@ def serve(args: argparse.Namespace) -> int:
     import logging
 
     from streamserve.models.resolve import DEFAULT_MODEL
+    from streamserve.lora.request import parse_module
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kwargs = config_kwargs(args)
@@ -85,6 +90,13 @@ def serve(args: argparse.Namespace) -> int:
         print(f"streamserve: error: {exc}", file=sys.stderr)
         return 2
     model_name = server.served_model_name or args.model or DEFAULT_MODEL
+    try:  # the adapters' names, before anything loads
+        for spec in kwargs["lora_modules"] or []:
+            if parse_module(spec)[0] == model_name:
+                raise ValueError(f"lora_modules entry {spec!r} takes the served model's name: give the adapter another")
+    except ValueError as exc:
+        print(f"streamserve: error: {exc}", file=sys.stderr)
+        return 2
     try:
         import uvloop
         asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())

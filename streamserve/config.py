@@ -248,6 +248,31 @@ class DeviceConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters (vLLM's --enable-lora): requests name an adapter as their model."""
+
+    enable_lora: bool = field(default=False, metadata={
+        "help": "serve LoRA adapters (PEFT's adapter_config.json and adapter_model.safetensors) on top of "
+                "the model: --lora-modules at start, LLM.generate(lora_request=...), and POST "
+                "/v1/load_lora_adapter where VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"})
+    lora_modules: Optional[list[str]] = field(default=None, metadata={
+        "help": "adapters to load at start, as name=path or JSON {\"name\": ..., \"path\": ...}; a request "
+                "whose model is the name runs through it (needs --enable-lora)"})
+    max_loras: int = field(default=4, metadata={
+        "help": "most distinct adapters in one step; a request for another waits (each adds small GEMMs "
+                "to every linear layer of the step)"})
+    max_lora_rank: int = field(default=64, metadata={"help": "largest adapter rank accepted"})
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras ({self.max_loras}) must be >= 1")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank ({self.max_lora_rank}) must be >= 1")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules asks for LoRA adapters, which are off: add --enable-lora")
+
+
+@dataclass
 class ServerConfig:
     """The HTTP server (python -m streamserve)."""
 
@@ -320,8 +345,9 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
-    PARTS = ("model", "cache", "scheduler", "device", "server")
+    PARTS = ("model", "cache", "scheduler", "device", "server", "lora")
 
     def __post_init__(self) -> None:
         self.scheduler.resolve(self.device.device)
@@ -333,7 +359,7 @@ class Config:
     @staticmethod
     def part_classes() -> dict[str, type]:
         return {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                "device": DeviceConfig, "server": ServerConfig}
+                "device": DeviceConfig, "server": ServerConfig, "lora": LoRAConfig}
 
     @classmethod
     def part_fields(cls) -> dict[str, list[dataclasses.Field]]:
@@ -359,13 +385,18 @@ class Config:
                    cache=CacheConfig(**per_part["cache"]),
                    scheduler=SchedulerConfig(**per_part["scheduler"]),
                    device=DeviceConfig(**per_part["device"]),
-                   server=ServerConfig(**per_part["server"]))
+                   server=ServerConfig(**per_part["server"]),
+                   lora=LoRAConfig(**per_part["lora"]))
 
 
 def _check_type(name: str, value: Any, hint: Any) -> None:
     """An LLM(...) keyword of the wrong type, named here rather than failing deep in a
     comparison (the command line's flags are typed already). A size takes an int too."""
     args = typing.get_args(hint)
+    if any(typing.get_origin(a) is list for a in args):  # list[str]
+        if value is None or isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+            return
+        raise TypeError(f"{name} must be a list of strings{' or None' if type(None) in args else ''}, got {value!r}")
     kinds = tuple(a for a in args if a is not type(None)) or (hint,)
     if value is None and type(None) in args or not all(isinstance(k, type) for k in kinds):
         return

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import aiohttp
 
-from live_server import held_config, start_server
+from live_server import free_port, held_config, start_server
 from streamserve import LLM, SamplingParams
 from streamserve.cli import build_parser, config_kwargs
 from streamserve.config import Config
@@ -119,6 +119,21 @@ def test_flags_that_would_be_ignored_are_refused(llama_dir, tmp_path):
                           (("--gguf-file", "x.gguf", "--prompt", "hi"), "gguf_file 'x.gguf' names"),
                           (("--model", llama_dir, "--served-model-name", ""), "served_model_name is empty")]:
         result = run_cli(*args)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
+        assert message in result.stderr.strip().splitlines()[-1], (args, result.stderr)
+
+
+def test_lora_modules_take_several_and_bad_ones_are_one_clear_line(llama_dir, tmp_path):
+    args = build_parser().parse_args(["--enable-lora", "--lora-modules", "a=/x", '{"name": "b", "path": "/y"}'])
+    assert config_kwargs(args)["lora_modules"] == ["a=/x", '{"name": "b", "path": "/y"}']
+    port = str(free_port())
+    for args, message in [(("--lora-modules", "a=/x", "--prompt", "hi"), "add --enable-lora"),
+                          (("--enable-lora", "--lora-modules", "a", "--port", port), "must be name=path"),
+                          (("--enable-lora", "--lora-modules", f"tiny={tmp_path}", "--served-model-name", "tiny",
+                            "--port", port), "takes the served model's name"),
+                          (("--enable-lora", "--lora-modules", f"a={tmp_path}", "--port", port),
+                           "holds no adapter_config.json")]:
+        result = run_cli("--model", llama_dir, "--dtype", "float32", "--kv-cache-memory", "16MiB", *args)
         assert result.returncode == 2 and "Traceback" not in result.stderr, (args, result.stderr)
         assert message in result.stderr.strip().splitlines()[-1], (args, result.stderr)
 

@@ -88,9 +88,20 @@ def test_every_field_is_a_keyword_of_one_part():
             "enforce_eager", "load_format",
             "host", "port", "served_model_name", "api_key", "max_n", "max_choices", "max_request_bytes",
             "sse_keepalive_seconds", "allowed_origins", "shutdown_timeout", "responses_memory",
-            "tool_call_parser", "reasoning_parser"} == set(names)
+            "tool_call_parser", "reasoning_parser", "enable_lora", "lora_modules", "max_loras",
+            "max_lora_rank"} == set(names)
     # The values read from the checkpoint are not settings.
     assert "hf_config" not in names and "torch_dtype" not in names
+
+
+def test_lora_settings_are_checked(model_dir):
+    with pytest.raises(ValueError, match="--enable-lora"):
+        Config.from_kwargs(model=model_dir, lora_modules=["a=/x"])
+    with pytest.raises(TypeError, match="lora_modules must be a list of strings"):
+        Config.from_kwargs(model=model_dir, enable_lora=True, lora_modules="a=/x")
+    with pytest.raises(ValueError, match="max_loras"):
+        Config.from_kwargs(model=model_dir, max_loras=0)
+    assert Config.from_kwargs(model=model_dir, enable_lora=True, lora_modules=["a=/x"]).lora.lora_modules == ["a=/x"]
 
 
 def test_unknown_keyword_is_a_type_error_naming_it(model_dir):

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Optional
 
 from streamserve.config import Config
 from streamserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request, validate_prompt
 from streamserve.engine.scheduler import Scheduler
 from streamserve.engine.structured_output import Vocabulary
+from streamserve.lora.registry import LoRARegistry
 from streamserve.sampling_params import ParamError
 from streamserve.worker.model_runner import ModelRunner
 
@@ -32,6 +34,14 @@ class EngineCore:
         self.vocab_size = self.model_runner.model.arch.vocab_size
         self.scheduler = Scheduler(config, self.model_runner.num_blocks,
                                    None if tokenizer is None else lambda: self._vocabulary(tokenizer))
+        # the LoRA adapters requests may name (--enable-lora), those of --lora-modules read now
+        self.loras: Optional[LoRARegistry] = None
+        if config.lora.enable_lora:
+            runner = self.model_runner
+            self.loras = LoRARegistry(config.lora, runner.model, runner.dtype, runner.device)
+            for adapter in self.loras.load_modules(config.lora.lora_modules or []):
+                logger.info("LoRA adapter %r: rank %d, %d layers, %.1f MB, from %s", adapter.name, adapter.rank,
+                            len(adapter.weights), adapter.nbytes / 1e6, adapter.path)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.validate(request)
@@ -41,6 +51,8 @@ class EngineCore:
         validate_prompt(request.prompt_token_ids, request.sampling_params,
                         self.config.model.max_model_len, self.vocab_size)
         params = request.sampling_params
+        if request.lora is not None and self.loras is None:
+            raise ParamError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)", "model")
         if params.structured_outputs is not None:
             if self.scheduler.make_vocabulary is None:
                 raise ParamError("structured output needs the tokenizer, and this engine was built without one",

@@ -49,7 +49,8 @@ class KVCacheManager:
         """Extend the request's chained hashes to cover all of its full blocks."""
         hashes, size, tokens = request.block_hashes, self.block_size, request.all_token_ids
         for i in range(len(hashes), len(tokens) // size):
-            parent = hashes[-1] if hashes else None
+            # a LoRA request's blocks chain from its adapter's root: its KV is the adapter's
+            parent = hashes[-1] if hashes else None if request.lora is None else request.lora.cache_root
             hashes.append(hash_block_tokens(parent, tuple(tokens[i * size:(i + 1) * size])))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

@@ -13,6 +13,7 @@ import time
 from typing import NamedTuple, Optional
 
 from streamserve.engine.scheduler_output import TokenLogprobs
+from streamserve.lora.adapter import LoRAAdapter
 from streamserve.sampling_params import ParamError, SamplingParams
 
 
@@ -50,6 +51,7 @@ class EngineCoreRequest(NamedTuple):
     eos_token_id: Optional[int]
     arrival_time: float
     priority: int = 0  # under the priority policy, lower runs first
+    lora: Optional[LoRAAdapter] = None  # the adapter it runs through (lora/), if any
 
 
 class EngineCoreOutput(NamedTuple):
@@ -93,17 +95,19 @@ class Request:
                  "arrival_time", "max_tokens", "all_token_ids", "output_token_ids",
                  "num_computed_tokens", "num_cached_tokens", "status", "stop_reason",
                  "block_hashes", "num_preemptions", "first_scheduled_time", "num_prompt_logprobs",
-                 "structured_state", "priority")
+                 "structured_state", "priority", "lora")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: Optional[int],
-                 max_model_len: int, arrival_time: Optional[float] = None, priority: int = 0) -> None:
+                 max_model_len: int, arrival_time: Optional[float] = None, priority: int = 0,
+                 lora: Optional[LoRAAdapter] = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        self.lora = lora
         # Output is capped by max_tokens and by the room left in max_model_len.
         room = max_model_len - len(self.prompt_token_ids)
         asked = sampling_params.max_tokens
@@ -132,7 +136,7 @@ class Request:
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest, max_model_len: int) -> "Request":
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
-                   req.eos_token_id, max_model_len, req.arrival_time, req.priority)
+                   req.eos_token_id, max_model_len, req.arrival_time, req.priority, req.lora)
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,9 @@ that order and the last of them is the one preempted; the waiting ones start in 
 order. A waiting request of a lower priority value than the last running one also takes
 its place when it could not start beside it (no seat under max_num_seqs, or too few free
 blocks for its first chunk).
+
+A waiting request through a LoRA adapter that would make the running batch's adapters more
+than max_loras is passed over for this step, keeping its place.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.scheduler.max_num_batched_tokens
         self.max_model_len = config.model.max_model_len
         self.by_priority = config.scheduler.scheduling_policy == "priority"
+        self.max_loras = config.lora.max_loras
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -125,16 +129,27 @@ class Scheduler:
             i += 1
 
         # 2. Waiting requests, first come first served (by rank, under the priority policy),
-        # unless the running ones were short of blocks.
+        # unless the running ones were short of blocks. One whose LoRA adapter would be one
+        # adapter too many (max_loras) is passed over, keeping its place.
+        loras: Optional[set] = None  # the adapters running, once a waiting request has one
+        passed_over: list[Request] = []
         while (self.waiting and budget > 0 and not short
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
+            if request.lora is not None:
+                if loras is None:
+                    loras = {r.lora for r in self.running if r.lora is not None}
+                if request.lora not in loras and len(loras) >= self.max_loras:
+                    passed_over.append(self.waiting.popleft())
+                    continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            if loras is not None and request.lora is not None:
+                loras.add(request.lora)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:  # its first admission (not a preempted one's return)
@@ -145,9 +160,10 @@ class Scheduler:
             new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                 request.sampling_params, request.eos_token_id,
-                kv.get_block_ids(request.request_id), num_hit))
+                kv.get_block_ids(request.request_id), num_hit, request.lora))
             request.num_computed_tokens += num_new
             budget -= num_new
+        self.waiting.extendleft(reversed(passed_over))
 
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,

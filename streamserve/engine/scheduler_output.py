@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from streamserve.lora.adapter import LoRAAdapter
 from streamserve.sampling_params import SamplingParams
 
 
@@ -34,6 +35,7 @@ class NewRequestData:
     eos_token_id: Optional[int]
     block_ids: list[int]
     num_computed_tokens: int
+    lora: Optional[LoRAAdapter] = None
 
 
 @dataclass

@@ -21,6 +21,8 @@ from streamserve.frontend.input_processor import InputProcessor, PromptType
 from streamserve.frontend.output_processor import OutputProcessor
 from streamserve.frontend.renderer import Message, Renderer, load_tokenizer
 from streamserve.heap import collector_paused
+from streamserve.lora.adapter import LoRAAdapter
+from streamserve.lora.request import LoRARequest
 from streamserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 from streamserve.sampling_params import EMBEDDING, SamplingParams
 
@@ -41,18 +43,22 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
-        """priority: one per prompt, lower first, under the priority scheduling policy (vLLM's)."""
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None) -> list[RequestOutput]:
+        """priority: one per prompt, lower first, under the priority scheduling policy (vLLM's).
+        lora_request: the LoRA adapter (LoRARequest(name, int id, path); enable_lora) every
+        prompt runs through, or one per prompt (None: the model alone)."""
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompt_list)} prompts: give one per prompt")
+        loras = self._loras_per_prompt(lora_request, len(prompt_list))
         request_ids = []
         try:
-            for prompt, params, rank in zip(prompt_list, params_list, priorities):
+            for prompt, params, rank, lora in zip(prompt_list, params_list, priorities, loras):
                 text, ids = self.input_processor.truncate(*self.input_processor.tokenize(prompt), params)
-                request_ids.append(self._add_request(text, ids, params, priority=rank))
+                request_ids.append(self._add_request(text, ids, params, priority=rank, lora=lora))
             return self._run_engine(request_ids, use_tqdm)
         except BaseException:
             self._abort(request_ids)
@@ -77,14 +83,29 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], use_tqdm: bool = True,
-              truncate_prompt_tokens: Optional[int] = None) -> list[EmbeddingRequestOutput]:
+              truncate_prompt_tokens: Optional[int] = None,
+              lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None
+              ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding: its last token's final hidden state, L2-normalised (vLLM's
         LLM.embed with last-token pooling, which decoder embedding models such as
         Qwen3-Embedding are trained for); truncate_prompt_tokens k: of its last k tokens
-        (-1: max_model_len)."""
+        (-1: max_model_len); lora_request: as generate's."""
         params = dataclasses.replace(EMBEDDING, truncate_prompt_tokens=truncate_prompt_tokens)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
-                for o in self.generate(prompts, params, use_tqdm)]
+                for o in self.generate(prompts, params, use_tqdm, lora_request=lora_request)]
+
+    def _loras_per_prompt(self, lora_request, n: int) -> list[Optional[LoRAAdapter]]:
+        """Each prompt's adapter, read the first time its LoRARequest comes."""
+        requests = [lora_request] * n if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(requests) != n:
+            raise ValueError(f"got {len(requests)} LoRA requests for {n} prompts: give one, or one per prompt")
+        if any(r is not None for r in requests) and self.engine_core.loras is None:
+            raise ValueError("a lora_request needs LoRA adapters turned on: LLM(..., enable_lora=True)")
+        for r in requests:
+            if r is not None and not isinstance(r, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest or None, got {r!r}")
+        return [None if r is None else self.engine_core.loras.for_request(r) for r in requests]
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
@@ -97,12 +118,12 @@ class LLM:
         return params
 
     def _add_request(self, text: Optional[str], ids: list[int], params: SamplingParams,
-                     stream: bool = False, priority: int = 0) -> str:
+                     stream: bool = False, priority: int = 0, lora: Optional[LoRAAdapter] = None) -> str:
         request_id = str(next(self._counter))
         self.input_processor.validate(ids, params)
         self.input_processor.check_priority(priority)
         child_ids = self.output_processor.add_request(request_id, text, ids, params, stream)
-        for request in self.input_processor.process(child_ids, ids, params, priority=priority):
+        for request in self.input_processor.process(child_ids, ids, params, priority=priority, lora=lora):
             self.engine_core.add_request(request)
         return request_id
 

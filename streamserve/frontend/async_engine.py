@@ -33,6 +33,8 @@ from streamserve.frontend.input_processor import InputProcessor
 from streamserve.frontend.output_processor import OutputProcessor
 from streamserve.frontend.renderer import Renderer, load_tokenizer
 from streamserve.heap import collector_paused, freeze_loaded
+from streamserve.lora.adapter import LoRAAdapter
+from streamserve.lora.registry import LoRARegistry
 from streamserve.outputs import RequestOutput
 from streamserve.sampling_params import SamplingParams
 
@@ -89,6 +91,11 @@ class AsyncEngine:
         return self._ready is not None and self._ready.is_set() and self.load_error is None
 
     @property
+    def loras(self) -> Optional[LoRARegistry]:
+        """The LoRA adapters requests may name (None unless enable_lora); once ready."""
+        return None if self.engine_core is None else self.engine_core.loras
+
+    @property
     def num_in_flight(self) -> int:
         """Requests being streamed (added by generate and not yet finished or closed)."""
         return len(self._queues)
@@ -113,10 +120,10 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: Optional[str] = None, prompt: Optional[str] = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora: Optional[LoRAAdapter] = None) -> AsyncIterator[RequestOutput]:
         """Stream one request: each item holds what is new (text, token ids) per sample.
         Closing the iterator early (a client went away) aborts the request. priority: under
-        the priority policy, lower runs first."""
+        the priority policy, lower runs first. lora: the adapter it runs through (loras.get(name))."""
         if not self.is_ready:
             raise EngineDeadError("the engine is not ready")
         self.input_processor.validate(prompt_token_ids, params)
@@ -137,7 +144,7 @@ class AsyncEngine:
                                                      stream=True)
         self._queues[request_id] = queue
         self._send("add", self.input_processor.process(children, prompt_token_ids, params,
-                                                       time.monotonic(), priority))
+                                                       time.monotonic(), priority, lora))
         finished = False
         try:
             while not finished:

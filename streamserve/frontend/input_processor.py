@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 from streamserve.config import Config
 from streamserve.engine.request import EngineCoreRequest, validate_prompt
 from streamserve.frontend.renderer import Renderer
+from streamserve.lora.adapter import LoRAAdapter
 from streamserve.sampling_params import ParamError, SamplingParams
 
 # A prompt: text, token IDs, or vLLM's {"prompt": ...} / {"prompt_token_ids": [...]} dicts.
@@ -89,8 +90,10 @@ class InputProcessor:
                              "start with --scheduling-policy priority", "priority")
 
     def process(self, child_ids: list[str], prompt_token_ids: list[int], params: SamplingParams,
-                arrival_time: Optional[float] = None, priority: int = 0) -> list[EngineCoreRequest]:
-        """One engine request per sample; with a seed, sample k draws from seed + k (mod 2^64)."""
+                arrival_time: Optional[float] = None, priority: int = 0,
+                lora: Optional[LoRAAdapter] = None) -> list[EngineCoreRequest]:
+        """One engine request per sample; with a seed, sample k draws from seed + k (mod 2^64).
+        lora: the adapter every sample runs through."""
         self.validate(prompt_token_ids, params)
         self.check_priority(priority)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -106,7 +109,8 @@ class InputProcessor:
                 child_params = dataclasses.replace(params, seed=(params.seed + k) % 2 ** 64)
             if params.prompt_logprobs is not None and k:  # one sample scores the prompt for all
                 child_params = dataclasses.replace(child_params, prompt_logprobs=None)
-            requests.append(EngineCoreRequest(child_id, prompt_token_ids, child_params, eos, arrival, priority))
+            requests.append(EngineCoreRequest(child_id, prompt_token_ids, child_params, eos, arrival, priority,
+                                              lora))
         return requests
 
 

@@ -22,11 +22,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
 from functools import lru_cache
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from streamserve.models.quantized import BLOCKS, SCALE_OFFSETS, QuantizedWeight
 
@@ -523,6 +525,19 @@ class _StepModel(ctypes.Structure):
            ("cos_sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_StepLayer))])
 
 
+class _LoRAPair(ctypes.Structure):
+    _fields_ = [("a", _Weight), ("b", _Weight), ("rank", ctypes.c_long)]
+
+
+class _LoRALayer(ctypes.Structure):
+    _fields_ = [("pair", _LoRAPair * len(_LINEARS))]
+
+
+class _StepLoRA(ctypes.Structure):
+    _fields_ = [("num_groups", ctypes.c_long), ("rows", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
+                ("layers", ctypes.POINTER(ctypes.POINTER(_LoRALayer)))]
+
+
 class StepForward:
     """A step of up to `max_tokens` tokens through a Llama-family model (models/llama.py) in one
     C call: `step_forward_f32` runs every layer with the same GEMM, RMSNorm and attention
@@ -545,7 +560,7 @@ class StepForward:
             raise ValueError(f"the C step cannot run this model: {reason}")
         arch, self.model, self.max_tokens = model.arch, model, max_tokens
         self._fn = kernels.lib.step_forward_f32
-        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_void_p]
+        self._fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 3 + [ctypes.c_void_p] * 2
         self._fn.restype = ctypes.c_int
         self._keep: list[torch.Tensor] = []  # every tensor the C side points into
 
@@ -585,6 +600,45 @@ class StepForward:
         per_token.argtypes, per_token.restype = [ctypes.c_void_p], ctypes.c_long
         # the step's activations, allocated once (an 8B model at 256 tokens needs ~64 MB)
         self._scratch = torch.empty(max_tokens * per_token(self._model_ref))
+        # each LoRA adapter's pairs as the C side reads them, packed as the weights are: built
+        # for its first step here, gone with the adapter
+        self._lora_layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def _adapter_layers(self, adapter) -> tuple:
+        """(_LoRALayer array, the tensors it points into) for a LoRAAdapter (lora/adapter.py)."""
+        kept = self._lora_layers.get(adapter)
+        if kept is None:
+            tensors: list[torch.Tensor] = []
+            layers = (_LoRALayer * len(self.model.layers))()
+            for entry, layer in zip(layers, self.model.layers):
+                linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                           layer.mlp.down_proj)
+                for pair, linear in zip(entry.pair, linears):
+                    weights = adapter.weights.get(linear.lora_key)
+                    if weights is None:
+                        continue
+                    a, b = (w.float().cpu() for w in weights)
+                    if a.shape[0] % 2:  # an odd rank: a zero row of a and column of b (bfloat16 pairs)
+                        a, b = F.pad(a, (0, 0, 0, 1)), F.pad(b, (0, 1))
+                    dtype = linear.packed.dtype
+                    packed_a, packed_b = pack_weight(a.to(dtype)).panels, pack_weight(b.to(dtype)).panels
+                    tensors += [packed_a, packed_b]
+                    pair.a = _Weight(packed_a.data_ptr(), _WEIGHT_DTYPES[dtype])
+                    pair.b = _Weight(packed_b.data_ptr(), _WEIGHT_DTYPES[dtype])
+                    pair.rank = a.shape[0]
+            kept = self._lora_layers[adapter] = (layers, tensors)
+        return kept
+
+    def _step_lora(self, lora) -> tuple:
+        """(_StepLoRA, what it points into) for a LoRAStep (lora/step.py)."""
+        groups = lora.row_lists
+        rows = np.ascontiguousarray(np.concatenate([r for r, _ in groups]), dtype=np.int64)
+        offsets = np.cumsum([0] + [len(r) for r, _ in groups]).astype(np.int64)
+        layers = [self._adapter_layers(adapter)[0] for _, adapter in groups]
+        pointers = (ctypes.POINTER(_LoRALayer) * len(layers))(
+            *(ctypes.cast(layer, ctypes.POINTER(_LoRALayer)) for layer in layers))
+        step = _StepLoRA(len(groups), rows.ctypes.data, offsets.ctypes.data, pointers)
+        return step, (rows, offsets, pointers, layers)
 
     @staticmethod
     def unsupported(model, kv_caches: list[torch.Tensor]) -> Optional[str]:
@@ -614,12 +668,13 @@ class StepForward:
         return None
 
     def __call__(self, input_ids: torch.Tensor, slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, lora=None) -> torch.Tensor:
         """Hidden states after the final norm, [B, hidden], for B <= max_tokens tokens: per token
         its slot (slot_mapping [B]); per sequence (the decodes first) as paged_prefill_attention
         takes them: its tokens' rows (query_start_loc [S + 1]), its blocks (block_tables [S, W])
         and its length after the step (seq_lens [S]); all contiguous int64. Inputs that would
-        reach outside the caches or the rotary table raise ValueError before anything is computed."""
+        reach outside the caches or the rotary table raise ValueError before anything is computed.
+        lora: the step's LoRAStep (lora/step.py), its adapters added to their rows' linear layers."""
         b, n_seqs = input_ids.shape[0], seq_lens.shape[0]
         shapes = ((slot_mapping, (b,)), (query_start_loc, (n_seqs + 1,)), (seq_lens, (n_seqs,)))
         if (not 0 < b <= self.max_tokens or block_tables.dim() != 2 or block_tables.shape[0] != n_seqs
@@ -629,10 +684,15 @@ class StepForward:
                              f"query_start_loc [S + 1], block tables [S, W] and lengths [S]; got {b} tokens, "
                              f"{n_seqs} lengths, query_start_loc {tuple(query_start_loc.shape)}, "
                              f"block tables {block_tables.dtype} {tuple(block_tables.shape)}")
+        step_lora = None
+        if lora is not None:
+            if any(int(r.max()) >= b for r, _ in lora.row_lists):
+                raise ValueError(f"a LoRA adapter's row is past the step's {b} tokens")
+            step_lora, kept = self._step_lora(lora)  # (kept: alive through the call)
         hidden = self.model.embed_tokens(input_ids)  # a fresh [B, H] tensor: the step works in it
         rc = self._fn(self._model_ref, hidden.data_ptr(), slot_mapping.data_ptr(), query_start_loc.data_ptr(),
                       block_tables.data_ptr(), seq_lens.data_ptr(), b, n_seqs, block_tables.shape[1],
-                      self._scratch.data_ptr())
+                      self._scratch.data_ptr(), None if step_lora is None else ctypes.byref(step_lora))
         if rc == -5:
             raise MemoryError("a kernel of the C step found no memory for its scratch")
         if rc:

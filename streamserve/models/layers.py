@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,9 @@ from torch import nn
 
 from streamserve.models.cpu_kernels import pack_quantized, pack_weight, packed_rows
 from streamserve.models.quantized import BLOCKS
+
+if TYPE_CHECKING:
+    from streamserve.lora.step import LoRAStep
 
 
 class RMSNorm(nn.Module):
@@ -69,6 +72,7 @@ class Linear(nn.Module):
         self.quantized = None  # models.cpu_kernels.PackedQuant
         self.quant_gemv: Optional[Callable] = None
         self.quant_max_rows = 0
+        self.lora_key = ""  # its name in the model: a LoRA adapter's weights for it are kept under it
 
     def keep_copies(self, dtype: torch.dtype, gemm=None, packed_max_rows: int = 0, row_major: bool = True,
                     drop_full: bool = False) -> None:
@@ -230,3 +234,9 @@ class ForwardContext:
     attention: AttentionFn
     rotate: Rotate
     low_precision: bool = False
+    lora: Optional["LoRAStep"] = None  # the step's LoRA adapters (lora/step.py), if any
+
+    def linear(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        """layer(x), and the step's adapters of that layer added to their requests' rows."""
+        out = layer(x, self.low_precision)
+        return out if self.lora is None else self.lora.add(layer.lora_key, x, out)

@@ -22,6 +22,8 @@ from torch import nn
 
 from streamserve.models.layers import (AttentionFn, ForwardContext, Linear, PackedEmbedding, RMSNorm,
                                        RotaryEmbedding, silu_and_mul)
+from streamserve.lora.adapter import LoRATarget
+from streamserve.lora.step import LoRAStep
 from streamserve.models.quantized import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -88,7 +90,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        qkv = self.qkv_proj(x, ctx.low_precision)
+        qkv = ctx.linear(self.qkv_proj, x)
         heads = self.num_heads + self.num_kv_heads
         # q and k side by side as [T, Hq + Hkv, D]: normed and rotated in one go.
         qk = qkv[:, :self.q_size + self.kv_size].view(-1, heads, self.head_dim)
@@ -98,7 +100,7 @@ class LlamaAttention(nn.Module):
         qk = ctx.rotate(qk, self.num_heads)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = ctx.attention(self.layer_idx, q, k, v)
-        return self.o_proj(out, ctx.low_precision)
+        return ctx.linear(self.o_proj, out)
 
 
 class LlamaMLP(nn.Module):
@@ -109,7 +111,7 @@ class LlamaMLP(nn.Module):
         self.act = silu_and_mul  # or streamserve_kernels.activation.silu_and_mul (use_kernels)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x, ctx.low_precision)), ctx.low_precision)
+        return ctx.linear(self.down_proj, self.act(ctx.linear(self.gate_up_proj, x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -148,6 +150,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size)
         self.tie_weights()
+        for name, module in self.named_modules():
+            if isinstance(module, Linear):
+                module.lora_key = name
 
     def tie_weights(self) -> None:
         """Tied: the head is a Linear sharing the embedding's weight (re-tie after moves)."""
@@ -155,9 +160,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionFn,
-                low_precision: bool = False) -> torch.Tensor:
-        """Hidden states after the final norm, one row per input token."""
-        ctx = ForwardContext(attention, self.rotary.for_step(positions), low_precision)
+                low_precision: bool = False, lora: Optional[LoRAStep] = None) -> torch.Tensor:
+        """Hidden states after the final norm, one row per input token; `lora`: the step's
+        adapters, added to the linear layers' outputs of their requests' rows."""
+        ctx = ForwardContext(attention, self.rotary.for_step(positions), low_precision, lora)
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
@@ -248,6 +254,26 @@ class LlamaForCausalLM(nn.Module):
                 module.keep_quantized(stacked, gemvs[stacked.kind], max_rows)
                 kept.append(name)
         return kept
+
+    # -- LoRA --------------------------------------------------------------------
+
+    def lora_layers(self) -> dict[str, Linear]:
+        """The linear layers a LoRA adapter may adapt, by lora_key (not the head)."""
+        return {m.lora_key: m for m in self.modules() if isinstance(m, Linear) and m.lora_key != "lm_head"}
+
+    def lora_targets(self) -> dict[str, LoRATarget]:
+        """Each checkpoint module an adapter may name ("layers.0.self_attn.q_proj", or a fused
+        "...qkv_proj" as Phi-3 stores it) -> where its adapter goes."""
+        targets = {}
+        for key, layer in self.lora_layers().items():
+            targets[key] = LoRATarget(key, 0, layer.out_features, layer.in_features)
+            prefix, _, fused = key.rpartition(".")
+            pieces = sorted((shard, piece) for piece, (name, shard) in self.STACKED.items() if name == fused)
+            if pieces:
+                sizes = self.shard_sizes(fused)
+                for shard, piece in pieces:
+                    targets[f"{prefix}.{piece}"] = LoRATarget(key, sum(sizes[:shard]), sizes[shard], layer.in_features)
+        return targets
 
     # -- weights ---------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import streamserve
 from streamserve.config import ServerConfig
 from streamserve.frontend.async_engine import AsyncEngine, EngineDeadError
+from streamserve.lora.adapter import LoRAAdapter
 from streamserve.outputs import Logprob, RequestOutput
 from streamserve.sampling_params import ParamError
 from streamserve.server import protocol
@@ -127,7 +128,8 @@ def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
-    from streamserve.server import embeddings, responses, websocket  # they import this module's helpers
+    from streamserve.server import embeddings, lora, responses, websocket  # they import this module's helpers
+    lora.add_routes(app)
     embeddings.add_routes(app)
     responses.add_routes(app)
     websocket.add_routes(app)
@@ -224,9 +226,16 @@ async def version(request: web.Request) -> web.Response:
 async def models(request: web.Request) -> web.Response:
     check_api_key(request)
     check_ready(request)
-    return json_response({"object": "list", "data": [{
-        "id": request.app[CONFIG].model_name, "object": "model", "created": request.app[CONFIG].created,
-        "owned_by": "streamserve", "max_model_len": request.app[ENGINE].config.model.max_model_len}]})
+    serving, engine = request.app[CONFIG], request.app[ENGINE]
+    config = engine.config.model
+
+    def card(name: str, root: str, parent: Optional[str]) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": serving.created, "owned_by": "streamserve",
+                "root": root, "parent": parent, "max_model_len": config.max_model_len}
+    # the LoRA adapters after the model, each its child (as vLLM lists them)
+    adapters = engine.loras.adapters() if engine.loras is not None else []
+    return json_response({"object": "list", "data": [card(serving.model_name, config.source or config.model, None)]
+                          + [card(a.name, a.path, serving.model_name) for a in adapters]})
 
 
 def api_key_ok(request: web.Request, given: Optional[str] = None) -> bool:
@@ -272,12 +281,24 @@ def check_ready(request: web.Request) -> None:
 def check_body(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
     """The checks every generation body passes: engine ready, known model."""
     check_ready(request)
-    model = body.get("model")
-    served = request.app[CONFIG].model_name
-    if model is not None and model != served:
-        raise APIError(404, f"the model '{model}' does not exist; this server serves '{served}'",
-                       param="model", type="not_found_error", code="model_not_found")
+    served_adapter(request, body.get("model"))
     return body
+
+
+def served_adapter(request: web.Request, model: Any) -> Optional[LoRAAdapter]:
+    """The LoRA adapter a body's model names; None for the served model (or none named). A name
+    that is neither is a 404."""
+    served = request.app[CONFIG].model_name
+    if model is None or model == served:
+        return None
+    loras = request.app[ENGINE].loras
+    adapter = loras.get(model) if loras is not None and isinstance(model, str) else None
+    if adapter is None:
+        names = [served] + ([a.name for a in loras.adapters()] if loras is not None else [])
+        raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                       + ", ".join(f"'{name}'" for name in names),
+                       param="model", type="not_found_error", code="model_not_found")
+    return adapter
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -370,7 +391,8 @@ class _Call:
         max_model_len = self.engine.config.model.max_model_len
         self.metrics = request.app[METRICS]
         self.chat = chat
-        self.model = serving.model_name
+        self.lora = served_adapter(request, body.get("model"))  # (it may have gone since check_body)
+        self.model = serving.model_name if self.lora is None else self.lora.name
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         protocol.refuse_unsupported(body)
@@ -470,7 +492,7 @@ class _Call:
 
     async def _observed(self, p: int, text: Optional[str], ids: list[int]) -> AsyncIterator[RequestOutput]:
         tracker = self.metrics.tracker(len(ids))
-        generate = self.engine.generate(ids, self.params, prompt=text, priority=self.priority)
+        generate = self.engine.generate(ids, self.params, prompt=text, priority=self.priority, lora=self.lora)
         async with contextlib.aclosing(generate) as deltas:
             async for delta in deltas:
                 tracker.observe(delta)

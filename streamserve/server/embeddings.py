@@ -21,7 +21,7 @@ from aiohttp import web
 
 from streamserve.sampling_params import EMBEDDING, ParamError, SamplingParams
 from streamserve.server import protocol
-from streamserve.server.app import CONFIG, ENGINE, json_response, merged, read_body, request_priority
+from streamserve.server.app import CONFIG, ENGINE, json_response, merged, read_body, request_priority, served_adapter
 from streamserve.server.protocol import APIError, bad_request
 
 
@@ -63,10 +63,10 @@ async def create_embeddings(request: web.Request) -> web.Response:
         raise bad_request("'encoding_format' must be 'float' or 'base64'", "encoding_format")
     if body.get("dimensions") is not None:
         raise bad_request("'dimensions' is not supported: embeddings have the model's own size", "dimensions")
-    params, priority = _params(body), request_priority(engine, body)
+    params, priority, lora = _params(body), request_priority(engine, body), served_adapter(request, body.get("model"))
     prompts = _inputs(body, engine, serving.server.max_choices, params)
     vectors: list[Optional[list[float]]] = [None] * len(prompts)
-    streams = [engine.generate(ids, params, prompt=text, priority=priority) for text, ids in prompts]
+    streams = [engine.generate(ids, params, prompt=text, priority=priority, lora=lora) for text, ids in prompts]
     async with contextlib.aclosing(merged(streams)) as deltas:  # closed early (the client left): aborted
         async for i, delta in deltas:
             vectors[i] = delta.embedding or vectors[i]
@@ -75,7 +75,7 @@ async def create_embeddings(request: web.Request) -> web.Response:
              base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()}
             for i, vector in enumerate(vectors)]
     tokens = sum(len(ids) for _, ids in prompts)
-    return json_response({"object": "list", "data": data, "model": serving.model_name,
+    return json_response({"object": "list", "data": data, "model": serving.model_name if lora is None else lora.name,
                           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 
 

@@ -19,6 +19,7 @@ import torch
 
 from streamserve.config import Config
 from streamserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from streamserve.lora.step import LoRAStep
 from streamserve.models import cpu_kernels
 from streamserve.models.layers import Linear
 from streamserve.models.loader import load_model
@@ -209,6 +210,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.model.seed, self.to_device, kernels)
         self.requests: dict[str, RequestState] = {}
         self.num_embedding_requests = 0  # of those, with SamplingParams.embed (their steps pool)
+        self.num_lora_requests = 0  # of those, with a LoRA adapter (their steps run op by op)
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
                                       -(-config.model.max_model_len // self.block_size))
         # Seeded generators outlive preemption, so a resumed request keeps its stream.
@@ -324,11 +326,14 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
-        input_ids, positions, meta, logits_indices, samplers, prompt_rows = self._prepare_inputs(so)
+        input_ids, positions, meta, logits_indices, samplers, prompt_rows, lora = self._prepare_inputs(so)
         with torch.inference_mode():
-            if isinstance(meta, CStepInputs):
+            if isinstance(meta, CStepInputs):  # (with the step's LoRA adapters, where it has any)
                 hidden = self.c_step(input_ids, meta.slot_mapping, meta.query_start_loc, meta.block_tables,
-                                     meta.seq_lens)
+                                     meta.seq_lens, lora)
+            elif lora is not None:  # op by op, the adapters added to their rows (never a graph)
+                hidden = self.model(input_ids, positions, self._attention(meta, self.kv_caches),
+                                    self._reads_copies(len(input_ids)), lora)
             elif self._replays(meta, len(input_ids)):
                 hidden = self.graphs.replay(input_ids, positions, meta.slot_mapping, meta.seq_lens,
                                             meta.block_tables)
@@ -389,6 +394,7 @@ class ModelRunner:
             self.requests[new.req_id] = RequestState(new, self._generator(new.req_id, new.sampling_params.seed),
                                                      self.block_table.add(new.block_ids))
             self.num_embedding_requests += new.sampling_params.embed
+            self.num_lora_requests += new.lora is not None
         cached = so.scheduled_cached_reqs
         for req_id, block_ids, num_computed in zip(cached.req_ids, cached.new_block_ids,
                                                    cached.num_computed_tokens):
@@ -402,6 +408,7 @@ class ModelRunner:
         if state is not None:
             self.block_table.remove(state.row)
             self.num_embedding_requests -= state.params.embed
+            self.num_lora_requests -= state.lora is not None
 
     def _generator(self, req_id: str, seed: Optional[int]) -> Optional[torch.Generator]:
         if seed is None:
@@ -423,6 +430,9 @@ class ModelRunner:
                 decodes.append(state)
             else:
                 prefills.append((state, n))
+        lora = None  # the rows' LoRA adapters, where a request has one
+        if self.num_lora_requests:
+            lora = LoRAStep.for_rows([(s.lora, 1) for s in decodes] + [(s.lora, n) for s, n in prefills], self.device)
 
         # Decodes first: arrays over their rows of the persistent block table.
         nd = len(decodes)
@@ -472,7 +482,7 @@ class ModelRunner:
             meta = self._attention_metadata(self.to_device(_cat(slots)), table[rows, :width], _cat(seq_lens), nd,
                                             max_decode_len, chunks)
         return (self.to_device(_cat(ids)), self.to_device(positions), meta,
-                self.to_device(np.array(logits_indices, dtype=np.int64)), samplers, prompt_rows)
+                self.to_device(np.array(logits_indices, dtype=np.int64)), samplers, prompt_rows, lora)
 
     # -- attention metadata, per backend -------------------------------------------
 

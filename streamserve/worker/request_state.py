@@ -12,7 +12,7 @@ from streamserve.sampling_params import SamplingParams
 
 class RequestState:
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "params", "eos_token_id",
-                 "row", "num_computed_tokens", "generator", "allowed_mask")
+                 "row", "num_computed_tokens", "generator", "allowed_mask", "lora")
 
     def __init__(self, new: NewRequestData, generator: Optional[torch.Generator], row: int = -1) -> None:
         self.req_id = new.req_id
@@ -23,6 +23,7 @@ class RequestState:
         self.row = row  # its row of the runner's BlockTable (which holds its block IDs)
         self.num_computed_tokens = new.num_computed_tokens
         self.generator = generator
+        self.lora = new.lora  # its LoRA adapter, or None
         self.allowed_mask = None  # allowed_token_ids as a mask, built by the sampler when first needed
 
     @property

@@ -58,3 +58,29 @@ def test_the_largest_graph_fits_the_decode_workspace(model_dirs):
     assert graphs.max_batch == 4 and graphs.num_splits(4) > 1
     with torch.inference_mode():
         graphs._run(graphs.max_batch)  # what capture() runs first on CUDA
+
+
+def test_lora_steps_run_eagerly_beside_graph_replays(model_dirs, tmp_path):
+    """On the GPU path a step that holds a LoRA request runs eagerly (the adapters' GEMMs are
+    not in the captured graphs), and still matches the merged model; the model's own pure
+    decode steps replay."""
+    from lora_adapters import build_adapter, merge_adapter
+    from parity import assert_same_greedy, hf_reference, parity_prompts
+    from streamserve import LoRARequest, SamplingParams
+
+    model = model_dirs["llama"]
+    adapter = build_adapter(str(tmp_path / "a"), model, rank=4, seed=5)
+    merged = merge_adapter(model, adapter, str(tmp_path / "merged"))
+    llm = triton_llm(model, enable_lora=True)
+    runner = llm.engine_core.model_runner
+    runner.graphs = runner.make_decode_graphs()
+    replays = []
+    original = runner.graphs.replay
+    runner.graphs.replay = lambda ids, *rest: replays.append(len(ids)) or original(ids, *rest)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in parity_prompts()[:2]]
+    through = llm.generate(prompts, params, use_tqdm=False, lora_request=LoRARequest("a", 1, adapter))
+    assert_same_greedy(through, hf_reference(merged, 2, 6))
+    assert not replays
+    assert_same_greedy(llm.generate(prompts, params, use_tqdm=False), hf_reference(model, 2, 6))
+    assert replays

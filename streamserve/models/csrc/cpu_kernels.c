@@ -1883,6 +1883,58 @@ typedef struct {
     const StepLayer *layers;
 } StepModel;
 
+/* A LoRA adapter's pair for one linear layer [N, K]: a [R, K] and b [N, R] (scale folded in),
+ * packed as the weights are, R even (a zero row and column pad an odd rank); data NULL where
+ * the adapter leaves the layer alone. */
+typedef struct {
+    Weight a, b;
+    long rank;
+} LoRAPair;
+
+/* One layer's pairs, in the order of StepLayer's linear layers: qkv, o, gate_up, down. */
+typedef struct {
+    LoRAPair pair[4];
+} LoRALayer;
+
+/* A step's adapters: group g's rows are rows[offsets[g]] .. rows[offsets[g + 1] - 1] (ascending),
+ * its pairs layers[g][0 .. num_layers - 1]. */
+typedef struct {
+    long num_groups;
+    const int64_t *rows;
+    const long *offsets;
+    const LoRALayer *const *layers;
+} StepLoRA;
+
+/* y[rows of group g] += (x[those rows] @ a.T) @ b.T for each group that adapts linear layer
+ * `which` of layer l (y [B, N], x [B, K]); -1 when out of memory. */
+static int lora_add(const StepLoRA *lora, long l, int which, const float *x, float *y, long N, long K) {
+    for (long g = 0; g < lora->num_groups; g++) {
+        const LoRAPair *p = &lora->layers[g][l].pair[which];
+        if (!p->a.data) continue;
+        const int64_t *rows = lora->rows + lora->offsets[g];
+        const long n = lora->offsets[g + 1] - lora->offsets[g], R = p->rank;
+        const int run = rows[n - 1] - rows[0] == n - 1;  /* one run of rows: read x in place */
+        float *buf = malloc(sizeof(float) * n * ((run ? 0 : K) + R + N));
+        if (!buf) return -1;
+        float *t = buf, *d = t + n * R, *xg = d + n * N;
+        if (run)
+            xg = (float *)x + rows[0] * K;
+        else
+            for (long i = 0; i < n; i++) memcpy(xg + i * K, x + rows[i] * K, sizeof(float) * K);
+        if (gemv_any(p->a.type, xg, p->a.data, t, n, R, K) || gemv_any(p->b.type, t, p->b.data, d, n, N, R)) {
+            free(buf);
+            return -1;
+        }
+        for (long i = 0; i < n; i++) {
+            float *yr = y + rows[i] * N;
+            const float *dr = d + i * N;
+            for (long j = 0; j < N; j++) yr[j] += dr[j];
+        }
+        free(buf);
+    }
+    return 0;
+}
+
 /* y = x @ w.T through the weight a step of M tokens reads; -1 when out of memory. */
 static int step_gemv(const StepModel *m, const Weight *w, const float *x, float *y, long M, long N, long K) {
     const Weight *use = w[1].data && M <= m->quant_max_tokens ? &w[1] : &w[0];
@@ -1947,6 +1999,7 @@ long step_scratch_floats(const StepModel *m) {
  * sequences as paged_prefill_attention takes them: sequence s's tokens are rows
  * query_start_loc[s] .. query_start_loc[s + 1] - 1, at the last positions before seq_lens[s],
  * its blocks row s of tables [S, W]; the leading sequences of one token each are the decodes.
+ * lora: the step's LoRA adapters (StepLoRA), each added to its rows' linear layers, or NULL.
  * slots [B]: each token's cache slot (-1 writes nothing). scratch: B * step_scratch_floats
  * floats. Returns 0, or before computing anything, for inputs that would read or write outside
  * the model's tables: -1 a position past the rotary table, -2 a slot past the cache, -3 a
@@ -1954,7 +2007,8 @@ long step_scratch_floats(const StepModel *m) {
  * query_start_loc not from 0 to B, -4 a block ID (of those the length reaches) past the cache;
  * -5 (midway) when a kernel found no memory for its scratch. */
 int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, const int64_t *query_start_loc,
-                     const int64_t *tables, const int64_t *seq_lens, long B, long S, long W, float *scratch) {
+                     const int64_t *tables, const int64_t *seq_lens, long B, long S, long W, float *scratch,
+                     const StepLoRA *lora) {
     const long H = m->hidden, I = m->intermediate, D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads;
     const long QKV = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
     if (query_start_loc[0] != 0 || query_start_loc[S] != B) return -3;
@@ -1975,7 +2029,7 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
     for (long l = 0; l < m->num_layers; l++) {
         const StepLayer *L = m->layers + l;
         rms_norm_f32(hidden, residual, L->input_norm, x, B, H, m->eps);  /* residual += mlp out */
-        if (step_gemv(m, L->qkv, x, qkv, B, QKV, H)) return -5;
+        if (step_gemv(m, L->qkv, x, qkv, B, QKV, H) || (lora && lora_add(lora, l, 0, x, qkv, QKV, H))) return -5;
         for (long s = 0; s < S; s++)
             for (long t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) {
                 const long position = seq_lens[s] - (query_start_loc[s + 1] - t);
@@ -1999,11 +2053,13 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
                                               seq_lens + nd, attn, S - nd, Hq, Hkv, D, m->block_size, W, m->scale,
                                               m->kv_half, m->bf16_dot))
             return -5;
-        if (step_gemv(m, L->o, attn, hidden, B, H, Hq * D)) return -5;
+        if (step_gemv(m, L->o, attn, hidden, B, H, Hq * D) || (lora && lora_add(lora, l, 1, attn, hidden, H, Hq * D)))
+            return -5;
         rms_norm_f32(hidden, residual, L->post_norm, x, B, H, m->eps);  /* residual += attention out */
-        if (step_gemv(m, L->gate_up, x, gate_up, B, 2 * I, H)) return -5;
+        if (step_gemv(m, L->gate_up, x, gate_up, B, 2 * I, H) || (lora && lora_add(lora, l, 2, x, gate_up, 2 * I, H)))
+            return -5;
         silu_and_mul_f32(gate_up, act, B, I);
-        if (step_gemv(m, L->down, act, hidden, B, H, I)) return -5;
+        if (step_gemv(m, L->down, act, hidden, B, H, I) || (lora && lora_add(lora, l, 3, act, hidden, H, I))) return -5;
     }
     rms_norm_f32(hidden, residual, m->final_norm, hidden, B, H, m->eps);
     return 0;
