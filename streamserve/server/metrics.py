@@ -46,6 +46,20 @@ class _EngineCollector:
             hits.add_metric([self.model_name], pool.prefix_cache_hits)
             preemptions.add_metric([self.model_name], scheduler.num_preemptions)
         yield from (running, waiting, usage, queries, hits, preemptions)
+        if core is not None and core.loras is not None:
+            yield self._lora_info(core)
+
+    @staticmethod
+    def _lora_info(core) -> GaugeMetricFamily:
+        """vLLM's lora_requests_info: the adapters of the running and the waiting requests (names,
+        comma-separated) and max_loras as labels, the scrape's time as its value."""
+        info = GaugeMetricFamily(P + "lora_requests_info", "Running and waiting LoRA adapters",
+                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        scheduler = core.scheduler  # (copies taken in one C call each: the engine thread changes them)
+        names = [",".join(sorted({r.lora.name for r in requests if r.lora is not None}))
+                 for requests in (list(scheduler.running), list(scheduler.waiting))]
+        info.add_metric(names + [str(scheduler.max_loras)], time.time())
+        return info
 
 
 class Metrics:

@@ -143,6 +143,9 @@ def test_requests_in_flight_finish_on_an_adapter_unloaded_under_them(server, cli
                                                        "return_tokens_as_token_ids": True})
         chunks = iter(stream)
         first = next(chunks)
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        assert 'lora_requests_info{max_lora="4",running_lora_adapters="poet2",waiting_lora_adapters=""}' in metrics
         assert post(server.url + "/v1/unload_lora_adapter", {"lora_name": "poet2"})[0] == 200
         rest = list(chunks)
     finally:
