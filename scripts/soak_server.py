@@ -15,7 +15,9 @@ that keeps growing round after round is a leak). Exits 1 on any problem.
 
 A small KV cache (--num-gpu-blocks-override) makes requests preempt each other too. With
 --priority (the server started with --scheduling-policy priority), requests carry random
-priorities, and waiting ones of a lower value preempt running ones.
+priorities, and waiting ones of a lower value preempt running ones. Where /v1/models lists LoRA
+adapters, requests name the model or one of them at random; with --lora-path, workers also
+load that adapter under new names, stream through it and unload it mid-stream.
 """
 
 from __future__ import annotations
@@ -43,10 +45,15 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 
 class Soak:
-    def __init__(self, url: str, model: str, priority: bool = False) -> None:
-        self.url, self.model, self.priority = url, model, priority
+    def __init__(self, url: str, models: list[str], priority: bool = False, lora_path: Optional[str] = None) -> None:
+        self.url, self.models, self.priority, self.lora_path = url, models, priority, lora_path
         self.counts: collections.Counter = collections.Counter()
         self.problems: list[tuple] = []
+
+    @property
+    def model(self) -> str:
+        """The model, or one of its LoRA adapters (those /v1/models lists), at random."""
+        return random.choice(self.models)
 
     def text(self, n: int) -> str:
         return " ".join(random.choice(WORDS) for _ in range(n))
@@ -110,7 +117,7 @@ class Soak:
             return r.status
 
     async def one(self, s) -> None:
-        kind = random.randrange(21)
+        kind = random.randrange(22 if self.lora_path else 21)
         if kind == 0:
             self.expect("chat stream", await self.stream(s, "/v1/chat/completions", self.chat(stream=True)), 200)
         elif kind == 1:
@@ -225,6 +232,21 @@ class Soak:
                 body = self.completion(bad_words=random.sample(WORDS, 3), truncate_prompt_tokens=random.randint(1, 20))
             status, t = await self.post(s, "/v1/completions", body)
             self.expect("allowed ids / bad words / truncation", status, 200, t)
+        elif kind == 21:  # a LoRA adapter loaded, streamed through, unloaded once it streams
+            name = f"soak-{random.randrange(10 ** 9)}"
+            status, t = await self.post(s, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": self.lora_path})
+            self.expect("LoRA load", status, 200, t)
+            body = {"model": name, "prompt": self.text(20), "max_tokens": 32, "stream": True, "ignore_eos": True}
+            async with s.post(self.url + "/v1/completions", json=body) as r:
+                self.expect("LoRA stream", r.status, 200)
+                lines = [line async for line in _first_data(r.content)]
+                status, t = await self.post(s, "/v1/unload_lora_adapter", {"lora_name": name})
+                self.expect("LoRA unload mid-stream", status, 200, t)
+                lines += [line.strip() async for line in r.content if line.startswith(b"data:")]
+            if lines[-1:] != [b"data: [DONE]"] or b'"length"' not in b"".join(lines):
+                self.problems.append(("LoRA stream unloaded under it ended with", lines[-2:]))
+            status, _ = await self.post(s, "/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 1})
+            self.expect("LoRA unloaded: a 404", status, 404)
         elif kind == 18:  # embeddings of a few inputs at once, left early at times
             body = {"model": self.model, "input": [self.text(random.randint(1, 40)) for _ in range(random.randint(1, 4))]}
             try:
@@ -273,6 +295,14 @@ class Soak:
         return gauges
 
 
+async def _first_data(content):
+    """The SSE body's lines up to its first data line."""
+    async for line in content:
+        if line.startswith(b"data:"):
+            yield line.strip()
+            return
+
+
 def rss_mib(pid: Optional[int]) -> Optional[float]:
     if pid is None:
         return None
@@ -283,7 +313,7 @@ def rss_mib(pid: Optional[int]) -> Optional[float]:
 async def main(args) -> int:
     async with aiohttp.ClientSession() as s:
         async with s.get(args.url + "/v1/models") as r:
-            soak = Soak(args.url, (await r.json())["data"][0]["id"], args.priority)
+            soak = Soak(args.url, [m["id"] for m in (await r.json())["data"]], args.priority, args.lora_path)
         before = rss_mib(args.pid)
         end = time.time() + args.seconds
         await asyncio.gather(*(soak.worker(s, end) for _ in range(args.workers)))
@@ -310,6 +340,9 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--priority", action="store_true",
                         help="the server runs --scheduling-policy priority: requests carry random priorities")
+    parser.add_argument("--lora-path", help="a LoRA adapter's directory: the server runs with --enable-lora and "
+                                           "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, and workers load it under new "
+                                           "names, stream through it and unload it mid-stream")
     args = parser.parse_args()
     random.seed(args.seed)
     raise SystemExit(asyncio.run(main(args)))
