@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import typing
@@ -46,8 +47,18 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             else:
                 if "default:" not in help_text:
                     help_text += " (default: %(default)s)"
-                group.add_argument(flag, dest=f.name, type=kind, default=f.default, help=help_text,
-                                   nargs="+" if many else None)
+                group.add_argument(flag, dest=f.name, type=_json_object if kind is dict else kind, default=f.default,
+                                   help=help_text, nargs="+" if many else None)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    return value
 
 
 def config_kwargs(args: argparse.Namespace) -> dict[str, Any]:

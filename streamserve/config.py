@@ -64,6 +64,43 @@ def read_chat_template(value: str) -> str:
     return value
 
 
+# generation_config.json's sampling keys -> SamplingParams' (those vLLM takes from it)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                       "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(model_dir: str, setting: str, override: Optional[dict]) -> dict[str, Any]:
+    """The SamplingParams defaults --generation-config and --override-generation-config give,
+    checked (a ValueError names what SamplingParams refuses)."""
+    from streamserve.sampling_params import ParamError, SamplingParams
+
+    found: dict[str, Any] = {}
+    if setting != "vllm":
+        folder = model_dir if setting == "auto" else setting
+        path = os.path.join(folder, "generation_config.json")
+        if setting != "auto" and not os.path.isfile(path):
+            raise ValueError(f"generation_config {setting!r} is neither auto, vllm nor a directory holding "
+                             "generation_config.json")
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    found = json.load(f)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"cannot read {path}: {exc}") from None
+            found = found if isinstance(found, dict) else {}
+    unknown = sorted(set(override or {}) - set(GENERATION_DEFAULTS))
+    if unknown:
+        raise ValueError(f"override_generation_config: {', '.join(map(repr, unknown))} not among "
+                         f"{', '.join(GENERATION_DEFAULTS)}")
+    found = {**found, **(override or {})}
+    defaults = {GENERATION_DEFAULTS[k]: v for k, v in found.items() if k in GENERATION_DEFAULTS and v is not None}
+    try:
+        SamplingParams(**defaults)
+    except (ParamError, TypeError) as exc:
+        raise ValueError(f"the generation config's sampling defaults {defaults}: {exc}") from None
+    return defaults
+
+
 @dataclass
 class ModelConfig:
     """What model to run and how to read it."""
@@ -88,11 +125,21 @@ class ModelConfig:
     load_format: str = field(default="auto", metadata={
         "help": "auto (the checkpoint's safetensors) or dummy (random weights of the model's shape, "
                 "for benchmarks; the directory needs only config.json and a tokenizer)"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "auto: a request that leaves temperature, top_p, top_k, min_p, repetition_penalty or "
+                "max_tokens unset gets the model's generation_config.json value (max_new_tokens for "
+                "max_tokens), as in vLLM; vllm: streamserve's own defaults; or a directory holding "
+                "the generation_config.json to read"})
+    override_generation_config: Optional[dict] = field(default=None, metadata={
+        "help": "JSON of such defaults over the file's (or over none with --generation-config vllm), "
+                "e.g. '{\"temperature\": 0.5}'"})
 
     # Filled in by __post_init__: what the user asked for, and what the checkpoint says.
     source: Optional[str] = field(default=None, repr=False, metadata={"cli": False})
     hf_config: Any = field(default=None, repr=False, metadata={"cli": False})
     torch_dtype: Any = field(default=None, repr=False, metadata={"cli": False})
+    # SamplingParams keyword -> value: the defaults generation_config gives (sampling_defaults)
+    sampling_defaults: Any = field(default=None, repr=False, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         if self.hf_config is None:
@@ -108,6 +155,7 @@ class ModelConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {self.load_format!r} must be auto or dummy")
         self.torch_dtype = self._resolve_dtype()
+        self.sampling_defaults = sampling_defaults(self.model, self.generation_config, self.override_generation_config)
         limit = self.derived_max_model_len()
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -262,12 +310,19 @@ class LoRAConfig:
         "help": "most distinct adapters in one step; a request for another waits (each adds small GEMMs "
                 "to every linear layer of the step)"})
     max_lora_rank: int = field(default=64, metadata={"help": "largest adapter rank accepted"})
+    max_cpu_loras: Optional[int] = field(default=None, metadata={
+        "help": "adapters LLM.generate's LoRARequests keep read, the least recently used dropped first "
+                "(default: max_loras); the server's named adapters stay until unloaded"})
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
             raise ValueError(f"max_loras ({self.max_loras}) must be >= 1")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank ({self.max_lora_rank}) must be >= 1")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        elif self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules asks for LoRA adapters, which are off: add --enable-lora")
 

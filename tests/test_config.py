@@ -85,13 +85,13 @@ def test_every_field_is_a_keyword_of_one_part():
             "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization",
             "num_gpu_blocks_override", "kv_cache_dtype", "max_num_seqs", "scheduling_policy",
             "max_num_batched_tokens", "device", "kernel_backend",
-            "enforce_eager", "load_format",
+            "enforce_eager", "load_format", "generation_config", "override_generation_config",
             "host", "port", "served_model_name", "api_key", "max_n", "max_choices", "max_request_bytes",
             "sse_keepalive_seconds", "allowed_origins", "shutdown_timeout", "responses_memory",
             "tool_call_parser", "reasoning_parser", "enable_lora", "lora_modules", "max_loras",
-            "max_lora_rank"} == set(names)
+            "max_lora_rank", "max_cpu_loras"} == set(names)
     # The values read from the checkpoint are not settings.
-    assert "hf_config" not in names and "torch_dtype" not in names
+    assert "hf_config" not in names and "torch_dtype" not in names and "sampling_defaults" not in names
 
 
 def test_lora_settings_are_checked(model_dir):

@@ -78,6 +78,16 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.scheduler.abort_request(request_id)
+        self._forget_when_idle()
+
+    def _forget_when_idle(self) -> None:
+        """With no request left, the runner forgets the finished ones now rather than at the next
+        step, which may be long in coming: their state (a LoRA adapter unloaded meanwhile, say)
+        is not held that long."""
+        scheduler = self.scheduler
+        if scheduler.finished_req_ids and not scheduler.has_unfinished_requests():
+            self.model_runner.forget(scheduler.finished_req_ids)
+            scheduler.finished_req_ids = set()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -89,7 +99,9 @@ class EngineCore:
         try:
             scheduler_output = self.scheduler.schedule()
             runner_output = self.model_runner.execute_model(scheduler_output)
-            return self.scheduler.update_from_output(scheduler_output, runner_output)
+            outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+            self._forget_when_idle()
+            return outputs
         except BaseException as exc:  # an error, or Ctrl-C in LLM.generate
             # The step's requests are half-run, with no consistent state to resume from
             # (all of them where scheduling itself failed).

@@ -138,8 +138,8 @@ class Scheduler:
             request = self.waiting[0]
             if request.lora is not None:
                 if loras is None:
-                    loras = {r.lora for r in self.running if r.lora is not None}
-                if request.lora not in loras and len(loras) >= self.max_loras:
+                    loras = self._running_loras()
+                if self._lora_blocked(request, loras):
                     passed_over.append(self.waiting.popleft())
                     continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
@@ -206,6 +206,8 @@ class Scheduler:
         kv, waiting, running = self.kv_cache_manager, self.waiting, self.running
         while waiting and running and waiting[0].priority < running[-1].priority:
             head = waiting[0]
+            if head.lora is not None and self._lora_blocked(head, self._running_loras()):
+                return  # it would be passed over (max_loras) whatever is preempted: preempt none
             if len(running) < self.max_num_seqs:
                 hit_blocks, num_hit = kv.get_computed_blocks(head)
                 if kv.can_allocate(head, min(head.num_tokens - num_hit, budget), hit_blocks):
@@ -213,6 +215,13 @@ class Scheduler:
             victim = running.pop()
             self._preempt(victim)
             preempted.append(victim)
+
+    def _running_loras(self) -> set:
+        return {r.lora for r in self.running if r.lora is not None}
+
+    def _lora_blocked(self, request: Request, loras: set) -> bool:
+        """Whether the request's adapter would be one too many beside the running ones'."""
+        return request.lora not in loras and len(loras) >= self.max_loras
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         """Into the waiting queue: at its back (a preempted request at its front), or at its

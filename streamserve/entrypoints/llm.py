@@ -41,6 +41,11 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate takes without SamplingParams: the model's generation_config.json's
+        sampling defaults (temperature, top_p, ...; generation_config), else SamplingParams()."""
+        return SamplingParams(**self.config.model.sampling_defaults)
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,
@@ -109,7 +114,7 @@ class LLM:
 
     def _params_per_prompt(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         params = list(sampling_params)

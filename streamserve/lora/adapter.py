@@ -98,8 +98,8 @@ def read_adapter(path: str, name: str, targets: dict[str, LoRATarget], out_featu
         if set(pair) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: module {module!r} has lora_{''.join(pair)} alone")
         a, b = pair["A"], pair["B"]
-        r = a.shape[0]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != target.in_features or b.shape != (target.rows, r):
+        r = a.shape[0] if a.dim() == 2 else 0
+        if r < 1 or b.dim() != 2 or a.shape[1] != target.in_features or b.shape != (target.rows, r):
             raise ValueError(f"LoRA adapter {name!r}: module {module!r} has lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)}; the model expects [r, {target.in_features}] and [{target.rows}, r]: "
                              "is it an adapter of another model?")
@@ -107,7 +107,7 @@ def read_adapter(path: str, name: str, targets: dict[str, LoRATarget], out_featu
             raise ValueError(f"LoRA adapter {name!r}: rank {r} (module {module!r}) is greater than "
                              f"max_lora_rank ({max_rank}): start with a larger --max-lora-rank")
         rank = max(rank, r)
-        scale = _alpha(config, module) / (math.sqrt(r) if config.get("use_rslora") else r)
+        scale = _alpha(name, config, module) / (math.sqrt(r) if config.get("use_rslora") else r)
         pieces.setdefault(target.layer, []).append((target, a, b * scale))
     weights = {}
     for layer, parts in pieces.items():
@@ -138,15 +138,24 @@ def _check_config(name: str, config: dict) -> None:
                          "trained beside the adapter) are not supported")
 
 
-def _alpha(config: dict, module: str) -> float:
-    """lora_alpha, or the alpha_pattern entry naming this module (PEFT matches a key as the
-    module name's ending, or as a regular expression)."""
-    for key, alpha in (config.get("alpha_pattern") or {}).items():
-        if module == key or module.endswith("." + key) or re.fullmatch(key, module):
-            return float(alpha)
-    alpha = config.get("lora_alpha", config.get("r", 8))
+def _alpha(name: str, config: dict, module: str) -> float:
+    """lora_alpha, or the alpha_pattern entry naming this module: as PEFT matches a key, a
+    regular expression the module's whole name ("model.layers.1.self_attn.q_proj") ends with
+    after a dot (or is)."""
+    patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise ValueError(f"LoRA adapter {name!r}: alpha_pattern is not an object")
+    alpha = config.get("lora_alpha", 8)  # (PEFT's default)
+    for key, value in patterns.items():
+        try:
+            if re.match(rf"(.*\.)?({key})$", "model." + module):
+                alpha = value
+                break
+        except re.error as exc:
+            raise ValueError(f"LoRA adapter {name!r}: alpha_pattern key {key!r} is not a regular expression: "
+                             f"{exc}") from None
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise ValueError(f"LoRA adapter at {module!r}: lora_alpha {alpha!r} is not a number")
+        raise ValueError(f"LoRA adapter {name!r}: alpha {alpha!r} (module {module!r}) is not a number")
     return float(alpha)
 
 

@@ -10,6 +10,7 @@ flight finish on it; its memory goes with the last of them.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -27,7 +28,8 @@ class LoRARegistry:
         self._out_features = {key: module.out_features for key, module in model.lora_layers().items()}
         self._dtype, self._device = dtype, device
         self._by_name: dict[str, LoRAAdapter] = {}
-        self._by_request_id: dict[int, LoRAAdapter] = {}  # LLM's LoRARequests, by lora_int_id
+        # LLM's LoRARequests by lora_int_id, the most recently used last (at most max_cpu_loras)
+        self._by_request_id: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._lock = threading.Lock()
 
     def read(self, name: str, path: str) -> LoRAAdapter:
@@ -36,8 +38,13 @@ class LoRARegistry:
             raise ValueError("a LoRA adapter needs a name (a non-empty string)")
         if not isinstance(path, str) or not path:
             raise ValueError(f"LoRA adapter {name!r} needs a path (its directory)")
-        return read_adapter(path, name, self._targets, self._out_features.__getitem__, self.config.max_lora_rank,
-                            self._dtype, self._device)
+        try:
+            return read_adapter(path, name, self._targets, self._out_features.__getitem__, self.config.max_lora_rank,
+                                self._dtype, self._device)
+        except ValueError:
+            raise
+        except Exception as exc:  # what its checks did not foresee: still the adapter's fault, and a 400
+            raise ValueError(f"LoRA adapter {name!r} cannot be read: {type(exc).__name__}: {exc}") from exc
 
     def load(self, name: str, path: str) -> LoRAAdapter:
         """Read the adapter at `path` and serve it as `name` (a ValueError if that name is taken)."""
@@ -68,8 +75,12 @@ class LoRARegistry:
 
     def for_request(self, request: LoRARequest) -> LoRAAdapter:
         """LLM's LoRARequest: its adapter, read the first time its lora_int_id comes (again if
-        the ID comes back with another name or path)."""
+        the ID comes back with another name or path, or after max_cpu_loras others pushed it
+        out; requests still running on it keep it)."""
         adapter = self._by_request_id.get(request.lora_int_id)
         if adapter is None or (adapter.name, adapter.path) != (request.lora_name, request.lora_path):
             adapter = self._by_request_id[request.lora_int_id] = self.read(request.lora_name, request.lora_path)
+        self._by_request_id.move_to_end(request.lora_int_id)
+        while len(self._by_request_id) > self.config.max_cpu_loras:
+            self._by_request_id.popitem(last=False)
         return adapter

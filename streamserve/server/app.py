@@ -186,6 +186,9 @@ async def _log_when_ready(model_name: str, engine: AsyncEngine) -> None:
                 config.device.device, runner.num_blocks, tokens, str(runner.kv_dtype).removeprefix("torch."),
                 tokens / config.model.max_model_len,
                 config.model.max_model_len)
+    if config.model.sampling_defaults:  # (as vLLM says so)
+        logger.info("sampling defaults from the model's generation config, for requests that leave them unset: "
+                    "%s (--generation-config vllm turns them off)", config.model.sampling_defaults)
 
 
 async def chat_page(request: web.Request) -> web.FileResponse:
@@ -420,7 +423,8 @@ class _Call:
         self.max_tokens_given = any(body.get(key) is not None for key in ("max_tokens", "max_completion_tokens"))
         self.params = protocol.sampling_params(body, serving.server.max_n,
                                                default_max_tokens=None if chat else 16,
-                                               logprobs=protocol.logprobs_setting(body, chat))
+                                               logprobs=protocol.logprobs_setting(body, chat),
+                                               defaults=self.engine.config.model.sampling_defaults)
         # tool_choice "required" or a named function: the output is held to the calls' schema
         self.tool_calling = tool_calling(body, tools, serving.server.tool_call_parser) if chat else None
         if self.tool_calling is not None and self.tool_calling.structured is not None:

@@ -52,9 +52,12 @@ def _must_be(key: str, what: str, value: Any, integer: bool = True) -> APIError:
 
 
 def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Optional[int],
-                    logprobs: Optional[int] = None) -> SamplingParams:
-    """Validate the sampling fields of a completions or chat body."""
-    kwargs: dict[str, Any] = {"logprobs": logprobs}
+                    logprobs: Optional[int] = None, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
+    """Validate the sampling fields of a completions or chat body; `defaults`: SamplingParams
+    keywords for the fields it leaves unset (the model's generation config)."""
+    defaults = defaults or {}
+    kwargs: dict[str, Any] = {**defaults, "logprobs": logprobs}
+    default_max_tokens = defaults.get("max_tokens", default_max_tokens)
     for key, (name, types) in _FIELDS.items():
         value = body.get(key)
         if value is None:

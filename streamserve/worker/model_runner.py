@@ -384,10 +384,14 @@ class ModelRunner:
         GGUF model's blocks (each Linear takes those up to its quant_max_rows)."""
         return rows <= self.low_precision_max_tokens
 
-    def _update_states(self, so: SchedulerOutput) -> None:
-        for req_id in so.finished_req_ids:
+    def forget(self, finished_req_ids) -> None:
+        """Drop what is kept of requests that finished (or were aborted)."""
+        for req_id in finished_req_ids:
             self._forget(req_id)
             self.generators.pop(req_id, None)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        self.forget(so.finished_req_ids)
         for req_id in so.preempted_req_ids:
             self._forget(req_id)
         for new in so.scheduled_new_reqs:

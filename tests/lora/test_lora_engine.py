@@ -108,8 +108,42 @@ def test_max_loras_bounds_the_adapters_of_a_step(model_dirs, adapters, tmp_path)
     for i, (output, lora) in enumerate(zip(outputs[:6], plan)):
         assert_same_greedy([output], [hf_reference(paths[lora.lora_name][1], 6, 12)[i]])
     assert_same_greedy(outputs[6:], hf_reference(model_dirs["llama"], 2, 12))
-    llm.generate("hi", GREEDY, use_tqdm=False)  # (whose first step forgets the finished ones)
-    assert runner.num_lora_requests == 0 and all(s.lora is None for s in runner.requests.values())
+    assert runner.num_lora_requests == 0 and not runner.requests  # forgotten once the engine is idle
+
+
+def test_priority_preempts_nobody_for_a_request_max_loras_would_pass_over(model_dirs, adapters):
+    """Under the priority policy, a waiting request of a higher rank whose adapter would be one
+    too many (max_loras 1) does not make the scheduler preempt a running request each step (to
+    readmit it at once, recomputing it): it waits for a seat its adapter may take."""
+    llm = LLM(model_dirs["llama"], dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=1,
+              max_num_seqs=2, scheduling_policy="priority")
+    (a, a_merged), (b, b_merged) = adapters["llama"]["a"], adapters["llama"]["b"]
+    core, loras = llm.engine_core, llm.engine_core.loras
+    ids = [llm._add_request(None, p["prompt_token_ids"], GREEDY, priority=1, lora=loras.for_request(LoRARequest("a", 1, a)))
+           for p in prompts(2)]
+    for _ in range(3):  # the two running
+        llm.output_processor.process_outputs(core.step())
+    ids.append(llm._add_request(None, prompts(3)[2]["prompt_token_ids"], GREEDY, priority=0,
+                                lora=loras.for_request(LoRARequest("b", 2, b))))
+    outputs = {o.request_id: o for o in llm._run_engine(ids, use_tqdm=False)}
+    assert core.scheduler.num_preemptions == 0
+    for i, request_id in enumerate(ids):
+        assert_same_greedy([outputs[request_id]], [hf_reference(a_merged if i < 2 else b_merged, 3, 12)[i]])
+
+
+def test_alpha_pattern_keys_match_as_peft_matches_them():
+    from streamserve.lora.adapter import _alpha
+
+    module = "layers.1.self_attn.q_proj"  # (PEFT's name for it: model.layers.1.self_attn.q_proj)
+    for key, matches in [("model.layers.1.self_attn.q_proj", True), (r"^model\.layers\.1\..*", True),
+                         ("q_proj", True), ("layers.1.self_attn.q_proj", True), ("layers.2.self_attn.q_proj", False),
+                         ("proj", False)]:
+        assert _alpha("x", {"lora_alpha": 16, "alpha_pattern": {key: 64}}, module) == (64 if matches else 16), key
+    assert _alpha("x", {}, module) == 8  # PEFT's default lora_alpha
+    for bad, why in [({"alpha_pattern": ["q_proj"]}, "not an object"), ({"alpha_pattern": {"q_proj(": 4}}, "regular"),
+                     ({"lora_alpha": "16"}, "not a number")]:
+        with pytest.raises(ValueError, match=why):
+            _alpha("x", bad, module)
 
 
 def test_bfloat16_c_step_adds_the_adapter_as_torch_does(model_dirs, adapters):
@@ -163,6 +197,12 @@ def test_adapters_it_cannot_run_are_refused_by_name(llm, model_dirs, tmp_path):
         registry.read("x", _adapter_dir(tmp_path, model, "dora", use_dora=True))
     with pytest.raises(ValueError, match="modules_to_save"):
         registry.read("x", _adapter_dir(tmp_path, model, "save", modules_to_save=["lm_head"]))
+    rank0 = _adapter_dir(tmp_path, model, "rank0")
+    tensors = load_file(os.path.join(rank0, "adapter_model.safetensors"))
+    save_file({k: v[:0] if "lora_A" in k else v[:, :0] for k, v in tensors.items()},
+              os.path.join(rank0, "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="the model expects"):
+        registry.read("x", rank0)
     with pytest.raises(ValueError, match="not a directory"):
         registry.read("x", str(tmp_path / "nowhere"))
     os.makedirs(tmp_path / "empty")
