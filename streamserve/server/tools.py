@@ -9,8 +9,10 @@ model wrote for them). The message then has `tool_calls` and no content; the fin
 is "tool_calls" once "required"'s calls end, a named call's stays "stop", as in vLLM. "auto"
 needs a parser of the model family's own tool-call format: with --tool-call-parser hermes the
 reply is free text in which <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks are
-calls (as Qwen2.5 and Hermes models write them); without one it is refused, as vLLM refuses it
-without --enable-auto-tool-choice.
+calls (as Qwen2.5 and Hermes models write them), with --tool-call-parser llama3_json a reply
+that begins with {"name": ..., "parameters": ...} objects (after <|python_tag|>, where special
+tokens are kept; several apart by ";") is calls, as Llama 3.1-3.3 write them, and any other
+reply content; without one it is refused, as vLLM refuses it without --enable-auto-tool-choice.
 
 Streamed, a named call's arguments go out as the text comes, the call's id, type and name on
 its first delta; with "required" each call goes out whole as soon as its object closes, with
@@ -77,7 +79,7 @@ def tools_for_template(body: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
 def tool_calling(body: dict[str, Any], tools: Optional[list[dict[str, Any]]],
                  parser: Optional[str] = None) -> Optional[ToolCalling]:
     """What tool_choice asks of the reply (None: text). `tools`: the body's, as tools_for_template
-    checked them; `parser`: the server's tool-call format ("hermes"), without which "auto"
+    checked them; `parser`: the server's tool-call format ("hermes", "llama3_json"), without which "auto"
     cannot be."""
     if body.get("functions") or body.get("function_call") not in (None, "none"):
         raise bad_request("the deprecated 'functions' and 'function_call' are not supported: give 'tools' and "
@@ -90,8 +92,9 @@ def tool_calling(body: dict[str, Any], tools: Optional[list[dict[str, Any]]],
     if choice == "auto":
         if parser is None:
             raise bad_request("tool_choice 'auto' needs a parser of the model's own tool-call format: start the "
-                              "server with --tool-call-parser hermes (for models that write <tool_call>...), or "
-                              "give 'required', a named function or 'none'", "tool_choice")
+                              "server with --tool-call-parser hermes (for models that write <tool_call>...) or "
+                              "llama3_json (Llama 3.1-3.3), or give 'required', a named function or 'none'",
+                              "tool_choice")
         return ToolCalling(None, None, parser)
     functions = {tool["function"]["name"]: _parameters(tool["function"]) for tool in tools}
     if choice == "required":
@@ -163,9 +166,12 @@ class ToolCallReader:
         self.content = ""
         self._read = 0  # how far the text has been read
         self._spaces = ""  # whitespace held back: between calls it is no content
+        self._plain = False  # llama3_json: the reply turned out to be text, not calls
 
     def feed(self, text: str) -> dict[str, Any]:
         self.text += text
+        if self.calling.parser == "llama3_json":
+            return self._llama3_json()
         if self.calling.parser is not None:
             return self._hermes()
         if self.calling.name is not None:  # the text is the one call's arguments
@@ -192,6 +198,8 @@ class ToolCallReader:
         if self.calling.parser is None:
             return {}
         rest, self._read = self.text[self._read:], len(self.text)
+        if self.calling.parser == "llama3_json" and self.calls and not self._plain and not rest.strip(_BETWEEN):
+            rest = ""  # the separators after the last call
         content = self._text(rest)
         if not self.calls:
             content, self.content, self._spaces = content + self._spaces, self.content + self._spaces, ""
@@ -223,6 +231,33 @@ class ToolCallReader:
                 continue
             self._spaces = ""  # whitespace before a call is no content
             calls.append(self._add(*call))
+
+    def _llama3_json(self) -> dict[str, Any]:
+        """Llama 3's JSON calls: a reply that begins (after <|python_tag|>, where special tokens
+        are kept) with {"name": ..., "parameters": ...} objects, one or more, apart by ";" or
+        whitespace, is calls; one that begins otherwise, or whose objects are no calls, is
+        content, whole. An object is held back until it closes."""
+        calls: list[dict[str, Any]] = []
+        while not self._plain:
+            at = len(self.text) - len(self.text[self._read:].lstrip(_BETWEEN))
+            if self.text.startswith(_PYTHON_TAG, at):
+                at += len(_PYTHON_TAG)
+            rest = self.text[at:]
+            if not rest or _PYTHON_TAG.startswith(rest):  # nothing yet, or a tag begun: wait
+                return self._delta("", calls)
+            element = _object_members(self.text, at) if rest[0] == "{" else None
+            if element is None and rest[0] == "{":  # an object on its way (or no JSON: text at the close)
+                return self._delta("", calls)
+            call = None if element is None else _hermes_call(self.text[at:element["}"]])
+            if call is None:  # text: everything from here on (the calls before it stand)
+                self._plain = True
+                break
+            self._read = element["}"]
+            self._spaces = ""
+            calls.append(self._add(*call))
+        content = self._text(self.text[self._read:])
+        self._read = len(self.text)
+        return self._delta(content, calls)
 
     def _text(self, text: str) -> str:
         """Content as it comes, but for its trailing whitespace, held back until more content
@@ -274,6 +309,8 @@ def _encodable(text: str) -> bool:
 
 
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_PYTHON_TAG = "<|python_tag|>"  # (Llama 3's: a reply of calls may begin with it)
+_BETWEEN = " \t\n\r;"  # what may lie before and between Llama 3's JSON calls
 
 
 def _tag_start(text: str, start: int) -> int:

@@ -770,11 +770,40 @@ def test_the_hermes_parser_reads_calls_whole_and_in_pieces(text, content, calls)
     """--tool-call-parser hermes: <tool_call>{"name", "arguments"}</tool_call> blocks become
     calls (arguments as written; a JSON string's value), the rest content; a block that is
     no call, or not closed, stays text. Fed in pieces, the deltas add up to the same."""
+    _check_parser("hermes", text, content, calls)
+
+
+LLAMA3 = [  # (text, content, calls as (name, arguments))
+    ('{"name": "get_weather", "parameters": {"city": "Rome"}}', None, [("get_weather", '{"city": "Rome"}')]),
+    ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}\n', None,
+     [("a", "{}"), ("b", '{"x": 1}')]),
+    (' \n{"name": "a", "parameters": {"q": "}{"}}\n{"name": "b", "parameters": {}};', None, [("a", '{"q": "}{"}'), ("b", "{}")]),
+    ("The weather is fine.", "The weather is fine.", []),
+    ('Sure: {"name": "a", "parameters": {}}', 'Sure: {"name": "a", "parameters": {}}', []),
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ('{"name": "a", "parameters": {}} and then text', " and then text", [("a", "{}")]),
+    ('{"name": "a", "parameters": {"unfinished": ', '{"name": "a", "parameters": {"unfinished": ', []),
+    ('{not json at all}', '{not json at all}', []),
+    ("<|python_", "<|python_", []),
+    ("  ", "  ", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", LLAMA3)
+def test_the_llama3_json_parser_reads_calls_whole_and_in_pieces(text, content, calls):
+    """--tool-call-parser llama3_json: a reply that begins with {"name", "parameters"} objects
+    (after <|python_tag|>; apart by ";" or whitespace) is calls; one that begins otherwise, or
+    with JSON that is no call, is content; text after the calls is content. Fed in pieces,
+    the deltas add up to the same."""
+    _check_parser("llama3_json", text, content, calls)
+
+
+def _check_parser(parser: str, text: str, content, calls) -> None:
     import random
 
     from streamserve.server.tools import ToolCallReader, ToolCalling
 
-    whole = ToolCallReader(ToolCalling(None, None, "hermes"))
+    whole = ToolCallReader(ToolCalling(None, None, parser))
     whole.feed(text)
     whole.close()
     message = whole.message()
@@ -782,7 +811,7 @@ def test_the_hermes_parser_reads_calls_whole_and_in_pieces(text, content, calls)
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == calls
     rng = random.Random(0)
     for _ in range(20):
-        reader, at, streamed, deltas = ToolCallReader(ToolCalling(None, None, "hermes")), 0, "", []
+        reader, at, streamed, deltas = ToolCallReader(ToolCalling(None, None, parser)), 0, "", []
         while at < len(text):
             step = rng.randint(1, 4)
             deltas.append(reader.feed(text[at:at + step]))
@@ -819,6 +848,28 @@ def test_tool_choice_auto_with_the_hermes_parser(model_dirs):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_tool_choice_auto_with_the_llama3_json_parser(model_dirs):
+    """--tool-call-parser llama3_json: a reply of two JSON calls apart by ";" is two calls,
+    streamed the same; a reply of text is content. (The model is held to each reply by a choice.)"""
+    from live_server import serve_in_thread
+
+    for live in serve_in_thread(model_dirs["llama"], served_model_name="tiny", tool_call_parser="llama3_json"):
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        calls = '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}; {"name": "get_time", "parameters": {}}'
+        user = [{"role": "user", "content": "Weather and time in Rome?"}]
+        for reply, want in ((calls, [("get_weather", '{"city": "Rome", "days": 2}'), ("get_time", "{}")]),
+                            ("It is sunny.", [])):
+            kwargs = dict(model="tiny", messages=user, max_tokens=200, temperature=0, tools=[WEATHER, TIME],
+                          extra_body={"structured_outputs": {"choice": [reply]}})
+            out = client.chat.completions.create(**kwargs).choices[0]
+            assert out.finish_reason == ("tool_calls" if want else "stop")
+            assert [(t.function.name, t.function.arguments) for t in out.message.tool_calls or []] == want
+            assert out.message.content == (None if want else reply)
+            if want:
+                streamed = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
+                assert [(c["name"], c["arguments"]) for c in streamed[0]] == want
 
 
 def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(client):
