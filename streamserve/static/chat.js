@@ -16,7 +16,8 @@ const CHATS_KEY = "streamserve.chats";
 const CURRENT_KEY = "streamserve.current";
 const SETTINGS_KEY = "streamserve.settings";
 const API_KEY_KEY = "streamserve.apiKey"; // sessionStorage
-const DEFAULT_SETTINGS = { system: "", temperature: "0.7", top_p: "1", max_tokens: "" };
+// model: the id chosen among GET v1/models' (the model or one of its LoRA adapters); "" the first
+const DEFAULT_SETTINGS = { system: "", temperature: "0.7", top_p: "1", max_tokens: "", model: "" };
 const MAX_BACKOFF_MS = 15000;
 
 const $ = (id) => document.getElementById(id);
@@ -26,6 +27,7 @@ const ui = {
   status: $("status"), toggleSettings: $("toggle-settings"), settings: $("settings"),
   system: $("system-prompt"), temperature: $("temperature"), topP: $("top-p"),
   maxTokens: $("max-tokens"), settingsModel: $("settings-model"), maxModelLen: $("max-model-len"),
+  modelChoice: $("model-choice"), modelSelect: $("model-select"),
   messages: $("messages"), composer: $("composer"), input: $("input"), send: $("send"),
   stop: $("stop"), keyDialog: $("key-dialog"), keyForm: $("key-form"),
   keyMessage: $("key-message"), keyInput: $("api-key"),
@@ -35,7 +37,8 @@ const state = {
   chats: loadJSON(CHATS_KEY, []),
   currentId: localStorage.getItem(CURRENT_KEY),
   settings: { ...DEFAULT_SETTINGS, ...loadJSON(SETTINGS_KEY, {}) },
-  model: null, // {id, max_model_len} from GET v1/models
+  model: null, // {id, max_model_len, parent} from GET v1/models: the one replies come from
+  models: [], // all of them: the model, then its LoRA adapters
   socket: null,
   connected: false,
   needsKey: false,
@@ -251,6 +254,7 @@ function requestBody(chat, upTo) {
   if (temperature !== null) body.temperature = temperature;
   if (topP !== null) body.top_p = topP;
   if (maxTokens !== null) body.max_tokens = maxTokens;
+  if (state.model && state.model !== state.models[0]) body.model = state.model.id; // an adapter
   return body;
 }
 
@@ -411,7 +415,7 @@ async function connect() {
     return;
   }
   if (!res.ok) return retry();
-  showModel((await res.json()).data[0]);
+  showModels((await res.json()).data);
   const url = new URL("v1/ws", location.href);
   url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
   const ws = new WebSocket(url);
@@ -434,6 +438,31 @@ async function connect() {
     state.socket = null;
     onDisconnected();
   };
+}
+
+// The models the server lists: a choice among them where it has LoRA adapters besides the
+// model (the last chosen kept, while the server still lists it).
+function showModels(models) {
+  state.models = models;
+  ui.modelChoice.hidden = models.length < 2;
+  ui.modelSelect.replaceChildren(...models.map((m) => {
+    const option = document.createElement("option");
+    option.value = m.id;
+    option.textContent = m.parent ? `${m.id} (adapter of ${m.parent})` : m.id;
+    return option;
+  }));
+  const chosen = models.find((m) => m.id === state.settings.model) || models[0];
+  ui.modelSelect.value = chosen.id;
+  showModel(chosen);
+}
+
+function chooseModel() {
+  const model = state.models.find((m) => m.id === ui.modelSelect.value);
+  if (!model) return;
+  state.settings.model = model === state.models[0] ? "" : model.id;
+  localStorage.setItem(SETTINGS_KEY, JSON.stringify(state.settings));
+  showModel(model);
+  if (!currentChat()) renderChat();
 }
 
 function showModel(model) {
@@ -506,6 +535,7 @@ ui.input.addEventListener("keydown", (event) => {
 });
 ui.input.addEventListener("input", autosize);
 ui.stop.addEventListener("click", cancelReply);
+ui.modelSelect.addEventListener("change", chooseModel);
 ui.newChat.addEventListener("click", () => {
   state.currentId = null;
   saveChats();

@@ -556,3 +556,48 @@ def test_a_replys_reasoning_shows_apart_as_plain_text(thinking_server, open_page
     page.reload()
     connected(page)
     expect(reply(page).locator(".reasoning .thought")).to_have_text(message["reasoning"])
+
+
+def test_a_server_with_lora_adapters_lets_the_page_choose_one(chat_model_dir, open_page, tmp_path_factory):
+    """With LoRA adapters served, the settings offer the model and each adapter; a reply comes
+    from the one chosen (the request names it; the model itself is named by none), and the
+    choice outlives a reload. A server of one model shows no choice."""
+    from live_server import serve_in_thread
+    from lora_adapters import build_adapter
+
+    adapter = build_adapter(str(tmp_path_factory.mktemp("page-lora") / "sql"), chat_model_dir, rank=4)
+    sent = []
+
+    def before(page):
+        page.on("websocket", lambda ws: ws.on("framesent", lambda payload: sent.append(json.loads(payload))))
+
+    for live in serve_in_thread(chat_model_dir, enable_lora=True, lora_modules=[f"sql={adapter}"]):
+        page = open_page(live, before=before)
+        settings(page, max_tokens=8)
+        page.click("#toggle-settings")
+        expect(page.locator("#model-choice")).to_be_visible()
+        options = page.locator("#model-select option")
+        expect(options).to_have_text([live.model_name, f"sql (adapter of {live.model_name})"])
+        page.select_option("#model-select", "sql")
+        expect(page.locator("#model-name")).to_have_text("sql")
+        expect(page.locator("#settings-model")).to_have_text("sql")
+        page.click("#toggle-settings")
+        send(page, "hello")
+        expect(reply(page).locator(".stats .finish")).to_have_text("length")
+        assert sent[-1]["body"]["model"] == "sql"
+        page.reload()
+        connected(page)
+        expect(page.locator("#model-name")).to_have_text("sql")
+        page.click("#toggle-settings")
+        page.select_option("#model-select", live.model_name)
+        page.click("#toggle-settings")
+        send(page, "again")
+        expect(reply(page).locator(".stats .finish")).to_have_text("length")
+        assert "model" not in sent[-1]["body"]
+
+
+def test_a_server_of_one_model_offers_no_choice(server, open_page):
+    page = open_page(server)
+    page.click("#toggle-settings")
+    expect(page.locator("#model-choice")).to_be_hidden()
+    expect(page.locator("#settings-model")).to_have_text(server.model_name)
