@@ -35,7 +35,7 @@ import orjson
 from aiohttp import web
 
 from streamserve.config import parse_size
-from streamserve.server.app import CONFIG, _Call, _chunks, check_api_key, json_response, read_body, stream_sse
+from streamserve.server.app import CONFIG, _Call, _chunks, check_api_key, json_response, new_call, read_body, stream_sse
 from streamserve.server.protocol import APIError, bad_request
 
 LOGPROBS = "message.output_text.logprobs"
@@ -492,7 +492,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     wanted = ResponsesRequest(await read_body(request), store,
                               request.app[CONFIG].server.reasoning_parser is not None)
     try:
-        call = _Call(request, wanted.chat, chat=True)
+        call = await new_call(request, wanted.chat, chat=True)
     except APIError as exc:  # a chat field's error, named as the Responses body names it
         exc.param = _CHAT_NAMES.get(exc.param, exc.param)
         for chat_name, name in (("max_tokens", "max_output_tokens"), ("response_format", "text.format")):

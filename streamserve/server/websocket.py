@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import orjson
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from streamserve.server.app import (CONFIG, HANDLER_GRACE_SECONDS, SOCKETS, _Call, _chunks, api_key_ok,
+from streamserve.server.app import (CONFIG, HANDLER_GRACE_SECONDS, SOCKETS, _Call, _chunks, api_key_ok, new_call,
                                     check_body, in_band_error, parse_json, prepare)
 from streamserve.server.protocol import APIError, bad_request
 
@@ -96,7 +96,7 @@ class _Socket:
                 raise bad_request("'endpoint' must be 'chat.completions' or 'completions'", "endpoint")
             if not isinstance(body, dict):
                 raise bad_request("'body' must be an object", "body")
-            call = _Call(self.request, check_body(self.request, {**body, "stream": True}), _ENDPOINTS[endpoint])
+            call = await new_call(self.request, check_body(self.request, {**body, "stream": True}), _ENDPOINTS[endpoint])
         except APIError as exc:
             return await self.error(request_id, exc)
         except Exception:  # the request's own failure: its id, so the client can end it

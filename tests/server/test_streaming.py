@@ -427,3 +427,47 @@ def test_a_request_of_a_lower_priority_value_takes_the_seat_of_a_running_stream(
     assert high["usage"]["completion_tokens"] == 5
     assert preempted >= 1 and low_running  # it took the stream's seat, and the stream went on after
     assert usage["completion_tokens"] == 200
+
+
+def test_a_schema_or_regex_is_compiled_off_the_event_loop(llama_dir, monkeypatch):
+    """What a request holds its output to is compiled on a thread of its own before the loop
+    builds the request (a large one is most of a second of Python): over HTTP, the websocket
+    and the Responses API alike; a bad one is still a 400 naming it."""
+    import threading
+
+    from streamserve.server import protocol
+
+    threads = []
+    compile_ = protocol.structured_outputs
+    monkeypatch.setattr(protocol, "structured_outputs",
+                        lambda body: threads.append(threading.current_thread()) or compile_(body))
+
+    async def main():
+        runner, engine, url = await start(llama_dir)
+        loop_thread = threading.current_thread()
+        fmt = {"structured_outputs": {"regex": "(ab|cd){2,5}"}}
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 12, **fmt}) as r:
+                    assert r.status == 200
+                    assert (await r.json())["choices"][0]["text"][:2] in ("ab", "cd")
+                async with session.post(url + "/v1/responses", json={
+                        "input": "x", "max_output_tokens": 16,
+                        "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "integer"}}}}) as r:
+                    assert r.status == 200
+                async with session.ws_connect(url + "/v1/ws") as ws:
+                    await ws.send_json({"type": "request", "id": "a", "endpoint": "completions",
+                                        "body": {"prompt": "x", "max_tokens": 4, **fmt}})
+                    while (frame := await ws.receive_json(timeout=60))["type"] not in ("done", "error"):
+                        pass
+                    assert frame["type"] == "done"
+                async with session.post(url + "/v1/completions", json={
+                        "prompt": "x", "structured_outputs": {"regex": "(?=a)"}}) as r:
+                    assert r.status == 400 and "lookahead" in (await r.json())["error"]["message"]
+        finally:
+            await runner.cleanup()
+        return loop_thread
+
+    loop_thread = asyncio.run(main())
+    # each request's first compile ran on another thread; the loop's own call found it cached
+    assert len(threads) == 8 and [t is loop_thread for t in threads] == [False, True] * 4
