@@ -2,10 +2,10 @@
 
 from streamserve.outputs import CompletionOutput, Logprob, RequestOutput
 from streamserve.lora.request import LoRARequest
-from streamserve.sampling_params import SamplingParams, StructuredOutputsParams
+from streamserve.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob",
            "__version__"]
 
 

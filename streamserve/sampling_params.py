@@ -187,3 +187,30 @@ def _is_token_id(value) -> bool:
 # An embedding request's settings: read the prompt, pool its last token, one token sampled
 # (and dropped) to finish it
 EMBEDDING = SamplingParams(max_tokens=1, temperature=0.0, embed=True)
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's BeamSearchParams, for LLM.beam_search (frontend/beam_search.py)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ParamError(f"{name} must be an integer >= 1, got {value!r}", name)
+        if self.beam_width > MAX_LOGPROBS // 2:  # (each step reads 2 * beam_width logprobs)
+            raise ParamError(f"beam_width must be at most {MAX_LOGPROBS // 2}, got {self.beam_width}", "beam_width")
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)):
+            raise ParamError(f"length_penalty must be a number, got {self.length_penalty!r}", "length_penalty")
+
+    def step_params(self) -> SamplingParams:
+        """What each beam's one-token request asks: the likeliest 2 * beam_width next tokens."""
+        return SamplingParams(max_tokens=1, logprobs=2 * self.beam_width, temperature=self.temperature,
+                              ignore_eos=True)

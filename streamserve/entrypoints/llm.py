@@ -20,6 +20,7 @@ from streamserve.engine.core import EngineCore
 from streamserve.frontend.input_processor import InputProcessor, PromptType
 from streamserve.frontend.output_processor import OutputProcessor
 from streamserve.frontend.renderer import Message, Renderer, load_tokenizer
+from streamserve.frontend.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, check_step_output
 from streamserve.heap import collector_paused
 from streamserve.lora.adapter import LoRAAdapter
 from streamserve.lora.request import LoRARequest
@@ -86,6 +87,41 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids":
                             self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
+                    lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: per prompt, the params.beam_width best sequences
+        (frontend/beam_search.py); each sequence's tokens and text hold the prompt's first, as
+        vLLM gives them."""
+        prompt_list = _as_prompt_list(prompts)
+        loras = self._loras_per_prompt(lora_request, len(prompt_list))
+        searches = []
+        for prompt in prompt_list:
+            _, ids = self.input_processor.tokenize(prompt)
+            room = self.config.model.max_model_len - len(ids)
+            if params.max_tokens > room:
+                raise ValueError(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}: together "
+                                 f"they exceed max_model_len ({self.config.model.max_model_len})")
+            searches.append(BeamSearch(ids, params, self.input_processor.eos_token_ids))
+        step = params.step_params()
+        bar = tqdm(total=params.max_tokens, desc="Beam search", disable=not use_tqdm, dynamic_ncols=True)
+        with bar:
+            while not all(s.done for s in searches):
+                live = [(s, lora) for s, lora in zip(searches, loras) if not s.done]
+                request_ids = []
+                try:
+                    for search, lora in live:
+                        request_ids += [self._add_request(None, p, step, lora=lora) for p in search.prompts()]
+                    outputs = iter(self._run_engine(request_ids, use_tqdm=False))
+                except BaseException:
+                    self._abort(request_ids)
+                    raise
+                for search, _ in live:
+                    search.advance([check_step_output(next(outputs).outputs[0].logprobs) for _ in search.beams])
+                bar.update(1)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        return [BeamSearchOutput(s.result(decode, with_prompt=True)) for s in searches]
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], use_tqdm: bool = True,
               truncate_prompt_tokens: Optional[int] = None,

@@ -32,6 +32,7 @@ from streamserve.engine.request import EngineCoreOutput
 from streamserve.frontend.input_processor import InputProcessor
 from streamserve.frontend.output_processor import OutputProcessor
 from streamserve.frontend.renderer import Renderer, load_tokenizer
+from streamserve.frontend.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence, check_step_output
 from streamserve.heap import collector_paused, freeze_loaded
 from streamserve.lora.adapter import LoRAAdapter
 from streamserve.lora.registry import LoRARegistry
@@ -159,6 +160,18 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def beam_search(self, prompt_token_ids: list[int], params: BeamSearchParams, priority: int = 0,
+                          lora: Optional[LoRAAdapter] = None) -> list[BeamSearchSequence]:
+        """The params.beam_width best sequences from the prompt (frontend/beam_search.py): each
+        step's beams go to the engine together, one token each; their text is their own."""
+        search = BeamSearch(prompt_token_ids, params, self.input_processor.eos_token_ids)
+        step = params.step_params()
+        while not search.done:
+            finals = await asyncio.gather(*(_last_logprobs(self.generate(p, step, priority=priority, lora=lora))
+                                            for p in search.prompts()))
+            search.advance(finals)
+        return search.result(lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+
     def abort_all(self, why: str) -> int:
         """Abort every request in flight, each of its streams failing with EngineDeadError(why);
         how many there were."""
@@ -260,6 +273,15 @@ class AsyncEngine:
                 queue = self._queues.get(parent_id)
                 if queue is not None:
                     queue.put_nowait(exc)
+
+
+async def _last_logprobs(deltas: AsyncIterator[RequestOutput]) -> dict:
+    """A one-token request's logprobs entry (its last delta's)."""
+    entries = []
+    async with contextlib.aclosing(deltas) as stream:
+        async for delta in stream:
+            entries += delta.outputs[0].logprobs or []
+    return check_step_output(entries)
 
 
 def _prepare_masks(core: EngineCore, wanted: set) -> None:

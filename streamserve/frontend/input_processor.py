@@ -29,6 +29,12 @@ class InputProcessor:
         self.extra_eos_ids = frozenset(t for t in eos_token_ids(config.model.model, config.model.hf_config)
                                        if t != renderer.eos_token_id and 0 <= t < vocab_size)
 
+    @property
+    def eos_token_ids(self) -> frozenset:
+        """Every token that ends a reply: the tokenizer's EOS and generation_config's."""
+        eos = self.renderer.eos_token_id
+        return self.extra_eos_ids | ({eos} if eos is not None else set())
+
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         """(prompt text or None, prompt token IDs)."""
         if isinstance(prompt, dict):

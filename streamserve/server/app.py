@@ -30,7 +30,7 @@ import streamserve
 from streamserve.config import ServerConfig
 from streamserve.frontend.async_engine import AsyncEngine, EngineDeadError
 from streamserve.lora.adapter import LoRAAdapter
-from streamserve.outputs import Logprob, RequestOutput
+from streamserve.outputs import CompletionOutput, Logprob, RequestOutput
 from streamserve.sampling_params import ParamError
 from streamserve.server import protocol
 from streamserve.server.metrics import Metrics
@@ -426,6 +426,7 @@ class _Call:
                                                default_max_tokens=None if chat else 16,
                                                logprobs=protocol.logprobs_setting(body, chat),
                                                defaults=self.engine.config.model.sampling_defaults)
+        self.beam = protocol.beam_search(body, self.params)  # vLLM's use_beam_search, or None
         # tool_choice "required" or a named function: the output is held to the calls' schema
         self.tool_calling = tool_calling(body, tools, serving.server.tool_call_parser) if chat else None
         if self.tool_calling is not None and self.tool_calling.structured is not None:
@@ -436,6 +437,9 @@ class _Call:
                 self.params = dataclasses.replace(self.params, structured_outputs=self.tool_calling.structured)
             except ParamError as exc:
                 raise bad_request(str(exc), exc.param) from None
+        if self.beam is not None and self.params.structured_outputs is not None:
+            raise bad_request("a tool_choice that holds the reply to its calls is not supported with use_beam_search",
+                              "tool_choice")
         # vLLM's prompt_logprobs field: the prompt's logprobs in the response, in vLLM's shape
         self.prompt_logprobs_field = self.params.prompt_logprobs  # (its top N) or None
         if self.prompt_logprobs_field is not None and self.stream and chat:  # (as in vLLM)
@@ -497,6 +501,11 @@ class _Call:
 
     async def _observed(self, p: int, text: Optional[str], ids: list[int]) -> AsyncIterator[RequestOutput]:
         tracker = self.metrics.tracker(len(ids))
+        if self.beam is not None:  # one delta, once the search ends
+            delta = await self._beam_search(text, ids)
+            tracker.observe(delta)
+            yield delta
+            return
         generate = self.engine.generate(ids, self.params, prompt=text, priority=self.priority, lora=self.lora)
         async with contextlib.aclosing(generate) as deltas:
             async for delta in deltas:
@@ -507,6 +516,16 @@ class _Call:
                                                          logprobs=None if s.logprobs is None else [])
                                      for s in delta.outputs]
                 yield delta
+
+    async def _beam_search(self, text: Optional[str], ids: list[int]) -> RequestOutput:
+        """A prompt's n best beams as one finished delta (max_tokens none given: what room it leaves)."""
+        params = self.beam
+        if self.params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self.engine.config.model.max_model_len - len(ids))
+        beams = await self.engine.beam_search(ids, params, self.priority, self.lora)
+        return RequestOutput(self.id, text, ids, [CompletionOutput(k, beam.text, beam.tokens[len(ids):],
+                                                                   beam.cum_logprob, None, beam.finish_reason)
+                                                  for k, beam in enumerate(beams)], finished=True)
 
     def message(self, text: str) -> dict[str, Any]:
         """A chat choice's message: the text, or the tool calls it makes; with a reasoning

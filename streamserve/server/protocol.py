@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
-from streamserve.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams, StructuredOutputsParams
+from streamserve.sampling_params import (MAX_LOGPROBS, BeamSearchParams, ParamError, SamplingParams,
+                                         StructuredOutputsParams)
 
 
 class APIError(Exception):
@@ -179,6 +180,35 @@ def refuse_unsupported(body: dict[str, Any]) -> None:
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise bad_request("'best_of' is not supported: every sample is returned (use 'n')", "best_of")
+
+
+# what beam search cannot take (vLLM's takes none of them either): refused, not ignored
+_NOT_WITH_BEAMS = ("logprobs", "top_logprobs", "prompt_logprobs", "stop", "stop_token_ids", "min_tokens",
+                   "response_format", "structured_outputs", "guided_json", "guided_choice", "guided_regex",
+                   "logit_bias", "allowed_token_ids", "bad_words")
+
+
+def beam_search(body: dict[str, Any], params: SamplingParams) -> Optional[BeamSearchParams]:
+    """vLLM's use_beam_search: n beams (the n best returned), length_penalty; None without it.
+    max_tokens is params' (None: the room each prompt leaves, filled in per prompt)."""
+    use = body.get("use_beam_search", False)
+    if not isinstance(use, bool):
+        raise bad_request("'use_beam_search' must be a boolean", "use_beam_search")
+    if not use:
+        return None
+    for key in _NOT_WITH_BEAMS:
+        if body.get(key) not in (None, False, [], {}):
+            raise bad_request(f"'{key}' is not supported with use_beam_search", key)
+    penalty = body.get("length_penalty", 1.0)
+    if isinstance(penalty, bool) or not isinstance(penalty, _NUMBER):
+        raise _must_be("length_penalty", "a number", penalty, integer=False)
+    try:
+        return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens or 1,
+                                ignore_eos=params.ignore_eos, temperature=params.temperature,
+                                length_penalty=float(penalty),
+                                include_stop_str_in_output=params.include_stop_str_in_output)
+    except ParamError as exc:
+        raise bad_request(str(exc).replace("beam_width", "n (the beams)"), "n") from None
 
 
 def echo_setting(body: dict[str, Any], chat: bool) -> bool:
