@@ -3,7 +3,7 @@
 Workers loop for --seconds, each picking one of: streamed chats and completions (some cut
 off after a few chunks), n > 1 with logprobs and echo, requests whose client times out,
 JSON-schema (with patterns and lengths), choice, regex and tool-call outputs, prompt_logprobs,
-vLLM's allowed_token_ids / bad_words / truncate_prompt_tokens / priority, long prompts sharing a prefix,
+vLLM's allowed_token_ids / bad_words / truncate_prompt_tokens / priority, beam search, long prompts sharing a prefix,
 responses (/v1/responses, streamed and not, and ones going on from them), embeddings,
 websockets closed mid-stream or sent bad frames, tokenize/detokenize, and bad bodies that
 must get a 400. Afterwards the engine must go idle with no KV block held (/metrics) and
@@ -117,7 +117,9 @@ class Soak:
             return r.status
 
     async def one(self, s) -> None:
-        kind = random.randrange(22 if self.lora_path else 21)
+        kind = random.randrange(23)
+        if kind == 21 and not self.lora_path:
+            kind = 0
         if kind == 0:
             self.expect("chat stream", await self.stream(s, "/v1/chat/completions", self.chat(stream=True)), 200)
         elif kind == 1:
@@ -247,6 +249,21 @@ class Soak:
                 self.problems.append(("LoRA stream unloaded under it ended with", lines[-2:]))
             status, _ = await self.post(s, "/v1/completions", {"model": name, "prompt": "hi", "max_tokens": 1})
             self.expect("LoRA unloaded: a 404", status, 404)
+        elif kind == 22:  # beam search, streamed or not, left early at times
+            n = random.randint(1, 4)
+            body = self.completion(use_beam_search=True, n=n, max_tokens=random.randint(1, 12),
+                                   length_penalty=random.choice([0.5, 1.0, 2.0]), temperature=0)
+            if random.random() < 0.3:
+                status = await self.stream(s, "/v1/completions", {**body, "stream": True})
+                self.expect("beam search stream", status, 200)
+            else:
+                try:
+                    status, t = await self.post(s, "/v1/completions", body, timeout=random.choice([None, 0.2]))
+                    self.expect("beam search", status, 200, t)
+                    if status == 200 and len(json.loads(t)["choices"]) != n:
+                        self.problems.append(("beam search gave", t[:200]))
+                except asyncio.TimeoutError:
+                    self.counts["beam search left early"] += 1
         elif kind == 18:  # embeddings of a few inputs at once, left early at times
             body = {"model": self.model, "input": [self.text(random.randint(1, 40)) for _ in range(random.randint(1, 4))]}
             try:
