@@ -126,10 +126,10 @@ class ModelConfig:
         "help": "auto (the checkpoint's safetensors) or dummy (random weights of the model's shape, "
                 "for benchmarks; the directory needs only config.json and a tokenizer)"})
     generation_config: str = field(default="auto", metadata={
-        "help": "auto: a request that leaves temperature, top_p, top_k, min_p, repetition_penalty or "
-                "max_tokens unset gets the model's generation_config.json value (max_new_tokens for "
-                "max_tokens), as in vLLM; vllm: streamserve's own defaults; or a directory holding "
-                "the generation_config.json to read"})
+        "help": "auto: a request that leaves temperature, top_p, top_k, min_p or repetition_penalty unset "
+                "gets the model's generation_config.json value, and its max_new_tokens caps max_tokens, as "
+                "in vLLM; vllm: streamserve's own defaults; or a directory holding the "
+                "generation_config.json to read"})
     override_generation_config: Optional[dict] = field(default=None, metadata={
         "help": "JSON of such defaults over the file's (or over none with --generation-config vllm), "
                 "e.g. '{\"temperature\": 0.5}'"})

@@ -473,10 +473,11 @@ class _Call:
             except ParamError as exc:  # a chat's prompt is its messages
                 raise bad_request(which + str(exc),
                                   "messages" if self.chat and exc.param == "prompt" else exc.param) from None
-            if self.params.max_tokens is not None and self.params.max_tokens > max_model_len - len(ids):
+            # (a default that does not fit is cut to the room left, by the engine, as vLLM cuts it)
+            if self.max_tokens_given and self.params.max_tokens > max_model_len - len(ids):
                 raise bad_request(f"{which}the prompt has {len(ids)} tokens and max_tokens is "
-                                  f"{self.params.max_tokens}{'' if self.max_tokens_given else ' (the default)'}: "
-                                  f"together they exceed max_model_len ({max_model_len})", "max_tokens")
+                                  f"{self.params.max_tokens}: together they exceed max_model_len ({max_model_len})",
+                                  "max_tokens")
             if self.echo and text is None:  # token IDs (or a truncated prompt), valid by now
                 text = self.engine.tokenizer.decode(ids)
             self.prompts[p] = (text, ids)
@@ -605,28 +606,39 @@ class _Call:
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens[p] for p in which)}}
 
 
-# the body fields that hold the output to a schema, a regex or choices (compiled ahead)
-_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_choice", "guided_regex",
-                      "tool_choice")
-
-
 async def compile_ahead(request: web.Request, body: dict[str, Any]) -> None:
-    """Compile what a body holds its output to (a schema, a regex, a tool's parameters) on a
-    thread of its own, into the caches that _Call then finds it in: a large one is up to ~0.7 s
-    of Python, which on the loop would stall every stream; on a thread the loop keeps its turns
-    (the interpreter switches every few ms). What it cannot compile, _Call refuses as before."""
-    if not any(body.get(key) is not None for key in _STRUCTURED_FIELDS):
+    """Compile what a body holds its output to (a schema, a regex, choices, a tool's parameters)
+    on the compile thread, into the caches that _Call then finds it in: a large one is up to
+    ~0.7 s of Python, which on the loop would stall every stream; on a thread the loop keeps its
+    turns (the interpreter switches every few ms). One it cannot compile is refused from here,
+    with the 400 _Call would give (a failure is not cached: _Call would compile it again)."""
+    if not _compiles(body):
         return
     parser = request.app[CONFIG].server.tool_call_parser
 
-    def compile_() -> None:
+    def compile_() -> Optional[APIError]:
         try:
             protocol.structured_outputs(body)
             if body.get("tool_choice") not in (None, "none", "auto"):
                 tool_calling(body, tools_for_template(body), parser)
-        except Exception:  # (said by _Call, on the loop)
+        except APIError as exc:
+            return exc
+        except Exception:  # (_Call says what is wrong, on the loop)
             pass
-    await asyncio.get_running_loop().run_in_executor(_COMPILER, compile_)
+        return None
+    error = await asyncio.get_running_loop().run_in_executor(_COMPILER, compile_)
+    if error is not None:
+        raise error
+
+
+def _compiles(body: dict[str, Any]) -> bool:
+    """Whether the body holds its output to something compiled: a JSON schema, a regex, choices,
+    or calls (tool_choice "required" or a named function)."""
+    fmt, so = body.get("response_format"), body.get("structured_outputs")
+    return (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
+            or isinstance(so, dict) and any(so.get(key) is not None for key in ("json", "regex", "choice"))
+            or any(body.get(key) is not None for key in ("guided_json", "guided_regex", "guided_choice"))
+            or body.get("tool_choice") == "required" or isinstance(body.get("tool_choice"), dict))
 
 
 # one thread for compile_ahead: compiles one at a time, so that the loop shares the interpreter

@@ -55,10 +55,11 @@ def _must_be(key: str, what: str, value: Any, integer: bool = True) -> APIError:
 def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Optional[int],
                     logprobs: Optional[int] = None, defaults: Optional[dict[str, Any]] = None) -> SamplingParams:
     """Validate the sampling fields of a completions or chat body; `defaults`: SamplingParams
-    keywords for the fields it leaves unset (the model's generation config)."""
-    defaults = defaults or {}
+    keywords for the fields it leaves unset (the model's generation config), whose max_tokens
+    caps the body's (or its default), as vLLM takes the least of them."""
+    defaults = dict(defaults or {})
+    cap = defaults.pop("max_tokens", None)
     kwargs: dict[str, Any] = {**defaults, "logprobs": logprobs}
-    default_max_tokens = defaults.get("max_tokens", default_max_tokens)
     for key, (name, types) in _FIELDS.items():
         value = body.get(key)
         if value is None:
@@ -75,6 +76,8 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
             break
     else:
         kwargs["max_tokens"] = default_max_tokens
+    if cap is not None:
+        kwargs["max_tokens"] = cap if kwargs["max_tokens"] is None else min(kwargs["max_tokens"], cap)
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict) or not all(

@@ -325,14 +325,14 @@ class ResponseBuilder:
         self.response: dict[str, Any] = {
             "id": "resp_" + uuid.uuid4().hex, "object": "response", "created_at": int(time.time()),
             "status": "in_progress", "background": False, "error": None, "incomplete_details": None,
-            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "instructions": body.get("instructions"), "max_output_tokens": call.params.max_tokens,
             "metadata": body.get("metadata") or {}, "model": call.model, "output": [],
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "previous_response_id": body.get("previous_response_id"), "reasoning": request.reasoning,
-            "store": request.store, "temperature": body.get("temperature", 1.0),
+            "store": request.store, "temperature": call.params.temperature,
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
-            "top_p": body.get("top_p", 1.0), "top_logprobs": body.get("top_logprobs"),
+            "top_p": call.params.top_p, "top_logprobs": body.get("top_logprobs"),
             "truncation": "disabled", "usage": None, "user": body.get("user")}
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:

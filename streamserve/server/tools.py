@@ -167,6 +167,8 @@ class ToolCallReader:
         self._read = 0  # how far the text has been read
         self._spaces = ""  # whitespace held back: between calls it is no content
         self._plain = False  # llama3_json: the reply turned out to be text, not calls
+        self._object: Optional[_ObjectEnd] = None  # the call object being read (llama3_json, "required")
+        self._close_from = 0  # hermes: where the search for the open block's </tool_call> goes on
 
     def feed(self, text: str) -> dict[str, Any]:
         self.text += text
@@ -184,8 +186,12 @@ class ToolCallReader:
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
         calls = []
         while True:  # "required"'s array: its next whole element, if it has come
-            at = len(self.text) - len(self.text[self._read:].lstrip(" \t\n\r[,"))
-            element = _object_members(self.text, at)
+            at = _ELEMENT_GAP.match(self.text, self._read).end()
+            if self.text[at:at + 1] != "{":
+                return self._delta("", calls)
+            if self._object is None or self._object.start != at:
+                self._object = _ObjectEnd(at)
+            element = _object_members(self.text, at) if self._object.end(self.text) is not None else None
             if element is None:
                 return self._delta("", calls)
             self._read = element["}"]
@@ -219,11 +225,14 @@ class ToolCallReader:
                 content += self._text(self.text[self._read:end])
                 self._read = end
                 return self._delta(content, calls)
-            j = self.text.find(_CLOSE, i + len(_OPEN))
+            # (where the last feed's search for the end stopped: a long call is searched once)
+            j = self.text.find(_CLOSE, max(i + len(_OPEN), self._close_from))
             content += self._text(self.text[self._read:i])
             if j < 0:  # a call begun: wait for its end
                 self._read = i
+                self._close_from = len(self.text) - len(_CLOSE) + 1
                 return self._delta(content, calls)
+            self._close_from = 0
             self._read = j + len(_CLOSE)
             call = _hermes_call(self.text[i + len(_OPEN):j])
             if call is None:  # not a call after all: the model's text
@@ -239,16 +248,21 @@ class ToolCallReader:
         content, whole. An object is held back until it closes."""
         calls: list[dict[str, Any]] = []
         while not self._plain:
-            at = len(self.text) - len(self.text[self._read:].lstrip(_BETWEEN))
+            at = _SEPARATORS.match(self.text, self._read).end()
             if self.text.startswith(_PYTHON_TAG, at):
                 at += len(_PYTHON_TAG)
-            rest = self.text[at:]
-            if not rest or _PYTHON_TAG.startswith(rest):  # nothing yet, or a tag begun: wait
-                return self._delta("", calls)
-            element = _object_members(self.text, at) if rest[0] == "{" else None
-            if element is None and rest[0] == "{":  # an object on its way (or no JSON: text at the close)
-                return self._delta("", calls)
-            call = None if element is None else _hermes_call(self.text[at:element["}"]])
+            begun = self.text[at:at + len(_PYTHON_TAG)]
+            if not begun or len(begun) < len(_PYTHON_TAG) and _PYTHON_TAG.startswith(begun):
+                return self._delta("", calls)  # nothing yet, or a tag begun: wait
+            element = None
+            if self.text[at] == "{":
+                if self._object is None or self._object.start != at:
+                    self._object = _ObjectEnd(at)
+                end = self._object.end(self.text)  # (read on from where it stopped: no text twice)
+                if end is None:  # an object on its way (or no JSON: text at the close)
+                    return self._delta("", calls)
+                element = _object_members(self.text, at)
+            call = None if element is None or element["}"] != end else _hermes_call(self.text[at:end])
             if call is None:  # text: everything from here on (the calls before it stand)
                 self._plain = True
                 break
@@ -311,6 +325,42 @@ def _encodable(text: str) -> bool:
 _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _PYTHON_TAG = "<|python_tag|>"  # (Llama 3's: a reply of calls may begin with it)
 _BETWEEN = " \t\n\r;"  # what may lie before and between Llama 3's JSON calls
+_SEPARATORS = re.compile(r"[ \t\n\r;]*")
+_ELEMENT_GAP = re.compile(r"[ \t\n\r\[,]*")  # before an element of "required"'s array
+_BLANK = re.compile(r"[ \t\n\r]*")
+_STRUCTURE = re.compile(r'[\\"{}\[\]]')  # the characters that move a JSON scan's state
+
+
+class _ObjectEnd:
+    """Where a JSON object that begins at `start` ends, sought as its text comes: each call reads
+    on from where the last stopped (inside a string or not, how deep, an escape pending), so a
+    long object costs its length once, not once per piece."""
+
+    def __init__(self, start: int) -> None:
+        self.start, self.pos, self.depth, self.in_string, self.skip_at = start, start, 0, False, -1
+
+    def end(self, text: str) -> Optional[int]:
+        """The index after the object's closing brace, or None while it has not come."""
+        for match in _STRUCTURE.finditer(text, self.pos):
+            i, ch = match.start(), match.group()
+            if i == self.skip_at:  # the character an escape takes
+                continue
+            if self.in_string:
+                if ch == "\\":
+                    self.skip_at = i + 1
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            else:  # } or ]
+                self.depth -= 1
+                if self.depth == 0:
+                    self.pos = i + 1
+                    return i + 1
+        self.pos = len(text)
+        return None
 
 
 def _tag_start(text: str, start: int) -> int:
@@ -325,8 +375,8 @@ def _object_members(text: str, at: int) -> Optional[dict[str, Any]]:
     """The JSON object at text[at:] as {key: its value's text as written}, with "}" the index
     after it; None where no whole object is there. The values' own text: re-encoding could
     change them (a lone surrogate escape or 1e999 does not survive json.loads and dumps)."""
-    decoder, blank = json.JSONDecoder(), " \t\n\r"
-    skip = lambda i: len(text) - len(text[i:].lstrip(blank))  # noqa: E731
+    decoder = json.JSONDecoder()
+    skip = lambda i: _BLANK.match(text, i).end()  # noqa: E731
     try:
         if text[at:at + 1] != "{":
             return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import urllib.request
 
 import openai
 import pytest
@@ -14,6 +15,13 @@ from live_server import serve_in_thread
 
 from streamserve import LLM, SamplingParams
 from streamserve.config import Config
+
+
+def _tokens(url: str, messages: list) -> int:
+    request = urllib.request.Request(url + "/tokenize", json.dumps({"messages": messages}).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())["count"]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +76,20 @@ def test_a_request_that_leaves_them_unset_gets_them(greedy_model, setting):
             assert texts == {greedy}
             chat = client.chat.completions.create(model=live.model_name, messages=[{"role": "user", "content": "hi"}],
                                                   extra_body={"ignore_eos": True})
-            assert chat.usage.completion_tokens == 20  # max_new_tokens
+            assert chat.usage.completion_tokens == 20  # max_new_tokens, where the chat gives none
+            # it caps what a request gives, and a completions' default (16) stays (the least of them, as in vLLM)
+            capped = client.completions.create(model=live.model_name, prompt="hi", max_tokens=50, extra_body=extra)
+            assert capped.usage.completion_tokens == 20
+            assert client.completions.create(model=live.model_name, prompt="hi", extra_body=extra).usage.completion_tokens == 16
+            # a long chat is cut to the room it leaves, not refused
+            for k in range(100, 200):  # a chat of 493-510 tokens: room for fewer than 20
+                messages = [{"role": "user", "content": "word " * k}]
+                if 493 <= _tokens(live.url, messages) <= 510:
+                    break
+            long = client.chat.completions.create(model=live.model_name, extra_body=extra, messages=messages)
+            assert 0 < long.usage.completion_tokens < 20 and long.choices[0].finish_reason == "length"
+            response = client.responses.create(model=live.model_name, input="hi")
+            assert (response.temperature, response.max_output_tokens) == (1.0, 20)
             # a field the request gives wins over the default
             free = client.completions.create(max_tokens=16, extra_body={**extra, "top_k": -1}, **body)
             assert len({c.text for c in free.choices}) == 3

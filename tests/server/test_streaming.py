@@ -432,7 +432,8 @@ def test_a_request_of_a_lower_priority_value_takes_the_seat_of_a_running_stream(
 def test_a_schema_or_regex_is_compiled_off_the_event_loop(llama_dir, monkeypatch):
     """What a request holds its output to is compiled on a thread of its own before the loop
     builds the request (a large one is most of a second of Python): over HTTP, the websocket
-    and the Responses API alike; a bad one is still a 400 naming it."""
+    and the Responses API alike; a bad one is still a 400 naming it, and a body with nothing to
+    compile does not wait for the compile thread."""
     import threading
 
     from streamserve.server import protocol
@@ -464,10 +465,17 @@ def test_a_schema_or_regex_is_compiled_off_the_event_loop(llama_dir, monkeypatch
                 async with session.post(url + "/v1/completions", json={
                         "prompt": "x", "structured_outputs": {"regex": "(?=a)"}}) as r:
                     assert r.status == 400 and "lookahead" in (await r.json())["error"]["message"]
+                for nothing in ({"response_format": {"type": "text"}}, {"tool_choice": "none"},
+                                {"response_format": {"type": "json_object"}}):
+                    async with session.post(url + "/v1/chat/completions", json={
+                            "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **nothing}) as r:
+                        assert r.status == 200
         finally:
             await runner.cleanup()
         return loop_thread
 
     loop_thread = asyncio.run(main())
-    # each request's first compile ran on another thread; the loop's own call found it cached
-    assert len(threads) == 8 and [t is loop_thread for t in threads] == [False, True] * 4
+    # each request's first compile ran on another thread, the loop's own call finding it cached;
+    # the one it could not compile was refused from there (a failure is not cached: not twice)
+    # (and the three with nothing to compile read their bodies on the loop alone)
+    assert [t is loop_thread for t in threads] == [False, True] * 3 + [False] + [True] * 3
