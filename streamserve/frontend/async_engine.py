@@ -29,10 +29,10 @@ from streamserve.config import Config
 from streamserve.engine import structured_output as so
 from streamserve.engine.core import EngineCore, StepFailed
 from streamserve.engine.request import EngineCoreOutput
+from streamserve.frontend.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence, check_step_output
 from streamserve.frontend.input_processor import InputProcessor
 from streamserve.frontend.output_processor import OutputProcessor
 from streamserve.frontend.renderer import Renderer, load_tokenizer
-from streamserve.frontend.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence, check_step_output
 from streamserve.heap import collector_paused, freeze_loaded
 from streamserve.lora.adapter import LoRAAdapter
 from streamserve.lora.registry import LoRARegistry

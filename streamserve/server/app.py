@@ -606,20 +606,22 @@ class _Call:
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens[p] for p in which)}}
 
 
-async def compile_ahead(request: web.Request, body: dict[str, Any]) -> None:
+async def compile_ahead(request: web.Request, body: dict[str, Any], chat: bool) -> None:
     """Compile what a body holds its output to (a schema, a regex, choices, a tool's parameters)
     on the compile thread, into the caches that _Call then finds it in: a large one is up to
     ~0.7 s of Python, which on the loop would stall every stream; on a thread the loop keeps its
     turns (the interpreter switches every few ms). One it cannot compile is refused from here,
-    with the 400 _Call would give (a failure is not cached: _Call would compile it again)."""
-    if not _compiles(body):
+    with the 400 _Call would give (a failure is not cached: _Call would compile it again). A
+    tool_choice is a chat's only."""
+    calls = chat and (body.get("tool_choice") == "required" or isinstance(body.get("tool_choice"), dict))
+    if not calls and not _compiles(body):
         return
     parser = request.app[CONFIG].server.tool_call_parser
 
     def compile_() -> Optional[APIError]:
         try:
             protocol.structured_outputs(body)
-            if body.get("tool_choice") not in (None, "none", "auto"):
+            if calls:
                 tool_calling(body, tools_for_template(body), parser)
         except APIError as exc:
             return exc
@@ -632,13 +634,11 @@ async def compile_ahead(request: web.Request, body: dict[str, Any]) -> None:
 
 
 def _compiles(body: dict[str, Any]) -> bool:
-    """Whether the body holds its output to something compiled: a JSON schema, a regex, choices,
-    or calls (tool_choice "required" or a named function)."""
+    """Whether the body holds its output to something compiled: a JSON schema, a regex or choices."""
     fmt, so = body.get("response_format"), body.get("structured_outputs")
     return (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
             or isinstance(so, dict) and any(so.get(key) is not None for key in ("json", "regex", "choice"))
-            or any(body.get(key) is not None for key in ("guided_json", "guided_regex", "guided_choice"))
-            or body.get("tool_choice") == "required" or isinstance(body.get("tool_choice"), dict))
+            or any(body.get(key) is not None for key in ("guided_json", "guided_regex", "guided_choice")))
 
 
 # one thread for compile_ahead: compiles one at a time, so that the loop shares the interpreter
@@ -647,7 +647,7 @@ _COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_pre
 
 
 async def new_call(request: web.Request, body: dict[str, Any], chat: bool) -> "_Call":
-    await compile_ahead(request, body)
+    await compile_ahead(request, body, chat)
     return _Call(request, body, chat)
 
 

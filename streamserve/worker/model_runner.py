@@ -210,7 +210,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.model.seed, self.to_device, kernels)
         self.requests: dict[str, RequestState] = {}
         self.num_embedding_requests = 0  # of those, with SamplingParams.embed (their steps pool)
-        self.num_lora_requests = 0  # of those, with a LoRA adapter (their steps run op by op)
+        self.num_lora_requests = 0  # of those, with a LoRA adapter (their steps group their rows by it)
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
                                       -(-config.model.max_model_len // self.block_size))
         # Seeded generators outlive preemption, so a resumed request keeps its stream.

@@ -470,6 +470,10 @@ def test_a_schema_or_regex_is_compiled_off_the_event_loop(llama_dir, monkeypatch
                     async with session.post(url + "/v1/chat/completions", json={
                             "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **nothing}) as r:
                         assert r.status == 200
+                # a completions body's tool_choice is no chat's: ignored, as it was, not compiled
+                async with session.post(url + "/v1/completions", json={
+                        "prompt": "x", "max_tokens": 2, "tool_choice": "required"}) as r:
+                    assert r.status == 200
         finally:
             await runner.cleanup()
         return loop_thread
@@ -477,5 +481,5 @@ def test_a_schema_or_regex_is_compiled_off_the_event_loop(llama_dir, monkeypatch
     loop_thread = asyncio.run(main())
     # each request's first compile ran on another thread, the loop's own call finding it cached;
     # the one it could not compile was refused from there (a failure is not cached: not twice)
-    # (and the three with nothing to compile read their bodies on the loop alone)
-    assert [t is loop_thread for t in threads] == [False, True] * 3 + [False] + [True] * 3
+    # (and the four with nothing to compile read their bodies on the loop alone)
+    assert [t is loop_thread for t in threads] == [False, True] * 3 + [False] + [True] * 4
