@@ -11,7 +11,7 @@ from aiohttp import web
 
 from live_server import fail_step, held_config, record_aborts, slow_steps, start
 from streamserve.frontend.async_engine import AsyncEngine
-from streamserve.server.app import app_runner, drain
+from streamserve.server.app import HANDLING, app_runner, drain
 
 
 async def stream_text(session: aiohttp.ClientSession, url: str, body: dict) -> str:
@@ -382,7 +382,10 @@ def test_a_drain_waits_for_a_call_not_yet_in_the_engine(llama_dir):
         engine.generate = late
         async with aiohttp.ClientSession() as session:
             call = asyncio.ensure_future(session.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}))
-            await asyncio.sleep(0.2)
+            for _ in range(200):  # until the call is being handled (held on its way to the engine)
+                if runner.app[HANDLING][0]:
+                    break
+                await asyncio.sleep(0.01)
             left = await drain(runner.app, 30)
             finished_first = bool(done)
             async with await call as r:
