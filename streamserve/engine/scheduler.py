@@ -17,7 +17,8 @@ its place when it could not start beside it (no seat under max_num_seqs, or too 
 blocks for its first chunk).
 
 A waiting request through a LoRA adapter that would make the running batch's adapters more
-than max_loras is passed over for this step, keeping its place.
+than max_loras is passed over for this step, keeping its place, and so are the LoRA requests
+behind it (the model's own still start): its turn comes once the running adapters drain.
 """
 
 from __future__ import annotations
@@ -130,7 +131,9 @@ class Scheduler:
 
         # 2. Waiting requests, first come first served (by rank, under the priority policy),
         # unless the running ones were short of blocks. One whose LoRA adapter would be one
-        # adapter too many (max_loras) is passed over, keeping its place.
+        # adapter too many (max_loras) is passed over, keeping its place; and so is every LoRA
+        # request after it, whatever its adapter, so that the running adapters drain and its
+        # turn comes (the model's own requests still start).
         loras: Optional[set] = None  # the adapters running, once a waiting request has one
         passed_over: list[Request] = []
         while (self.waiting and budget > 0 and not short
@@ -139,7 +142,7 @@ class Scheduler:
             if request.lora is not None:
                 if loras is None:
                     loras = self._running_loras()
-                if self._lora_blocked(request, loras):
+                if passed_over or self._lora_blocked(request, loras):
                     passed_over.append(self.waiting.popleft())
                     continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)

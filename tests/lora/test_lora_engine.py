@@ -131,6 +131,33 @@ def test_priority_preempts_nobody_for_a_request_max_loras_would_pass_over(model_
         assert_same_greedy([outputs[request_id]], [hf_reference(a_merged if i < 2 else b_merged, 3, 12)[i]])
 
 
+def test_a_request_passed_over_for_max_loras_is_not_overtaken_by_later_ones(model_dirs, adapters):
+    """max_loras 1, adapter a running: a request for b waits; a later request for a waits behind
+    it too (else a's stream of requests could keep b out for ever), and a request for the model
+    alone starts. b runs once a's first request ends, then a's second."""
+    llm = LLM(model_dirs["llama"], dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=1)
+    (a, _), (b, _) = adapters["llama"]["a"], adapters["llama"]["b"]
+    core, loras = llm.engine_core, llm.engine_core.loras
+    la, lb = loras.for_request(LoRARequest("a", 1, a)), loras.for_request(LoRARequest("b", 2, b))
+    ps = [p["prompt_token_ids"] for p in prompts(4)]
+    first = llm._add_request(None, ps[0], GREEDY, lora=la)
+    llm.output_processor.process_outputs(core.step())
+    ids = [first, llm._add_request(None, ps[1], GREEDY, lora=lb), llm._add_request(None, ps[2], GREEDY, lora=la),
+           llm._add_request(None, ps[3], GREEDY)]
+    started: dict[str, int] = {}
+    finished: dict[str, int] = {}
+    step = 0
+    while core.has_unfinished_requests():
+        step += 1
+        for request in core.scheduler.running:
+            started.setdefault(request.request_id.split("#")[0], step)
+        for output in llm.output_processor.process_outputs(core.step()).finished:
+            finished[output.request_id] = step
+    first_b, second_a, plain = ids[1], ids[2], ids[3]
+    assert started[plain] <= 2  # the model's own request did not wait
+    assert started[first_b] > finished[first] and started[second_a] > started[first_b]
+
+
 def test_alpha_pattern_keys_match_as_peft_matches_them():
     from streamserve.lora.adapter import _alpha
 
