@@ -22,10 +22,10 @@ from streamserve.config import Config, ServerConfig
 def _scalar_type(hint: Any) -> tuple[type, bool]:
     """int / float / str / bool out of a hint such as Optional[int], and whether it is a list of them."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    kind = args[0] if args else hint
-    if typing.get_origin(kind) is list:
-        return typing.get_args(kind)[0], True
-    return kind, False
+    lists = [a for a in args if typing.get_origin(a) is list]
+    if lists:  # list[str], or str | list[str]: one or more values
+        return typing.get_args(lists[0])[0], True
+    return (args[0] if args else hint), False
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -100,10 +100,11 @@ def serve(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         print(f"streamserve: error: {exc}", file=sys.stderr)
         return 2
-    model_name = server.served_model_name or args.model or DEFAULT_MODEL
+    model_names = server.served_model_name or [args.model or DEFAULT_MODEL]
+    model_name = model_names[0]
     try:  # the adapters' names, before anything loads
         for spec in kwargs["lora_modules"] or []:
-            if parse_module(spec)[0] == model_name:
+            if parse_module(spec)[0] in model_names:
                 raise ValueError(f"lora_modules entry {spec!r} takes the served model's name: give the adapter another")
     except ValueError as exc:
         print(f"streamserve: error: {exc}", file=sys.stderr)

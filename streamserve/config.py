@@ -14,7 +14,7 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -333,8 +333,9 @@ class ServerConfig:
 
     host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
     port: int = field(default=8000, metadata={"help": "port to listen on"})
-    served_model_name: Optional[str] = field(default=None, metadata={
-        "help": "the model name clients use (default: the --model value)"})
+    served_model_name: Union[str, list[str], None] = field(default=None, metadata={
+        "help": "the model name clients use, or several (a request may name any; responses name the "
+                "first), as vLLM takes them (default: the --model value)"})
     api_key: Optional[str] = field(default=None, metadata={
         "help": "require 'Authorization: Bearer KEY' on the API routes (/v1/*, /tokenize, "
                 "/detokenize; not /health, /metrics, /version or the chat page)"})
@@ -390,7 +391,9 @@ class ServerConfig:
             raise ValueError(f"sse_keepalive_seconds ({self.sse_keepalive_seconds}) must be > 0")
         if self.api_key == "":
             raise ValueError("api_key is empty: give a key, or leave it out for no key")
-        if self.served_model_name == "":
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = [self.served_model_name]
+        if self.served_model_name is not None and (not self.served_model_name or "" in self.served_model_name):
             raise ValueError("served_model_name is empty: give a name, or leave it out to serve the --model value")
 
 
@@ -410,7 +413,13 @@ class Config:
 
     @property
     def served_model_name(self) -> str:
-        return self.server.served_model_name or self.model.source or self.model.model
+        """The name responses give the model: the first served name, else the --model value."""
+        return self.served_model_names[0]
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """Every name a request may give the model (--served-model-name's, else the --model value)."""
+        return self.server.served_model_name or [self.model.source or self.model.model]
 
     @staticmethod
     def part_classes() -> dict[str, type]:
@@ -449,8 +458,9 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
     """An LLM(...) keyword of the wrong type, named here rather than failing deep in a
     comparison (the command line's flags are typed already). A size takes an int too."""
     args = typing.get_args(hint)
-    if any(typing.get_origin(a) is list for a in args):  # list[str]
-        if value is None or isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+    if any(typing.get_origin(a) is list for a in args):  # list[str] (or, where it says so, one str)
+        if value is None or isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value) \
+                or str in args and isinstance(value, str):
             return
         raise TypeError(f"{name} must be a list of strings{' or None' if type(None) in args else ''}, got {value!r}")
     kinds = tuple(a for a in args if a is not type(None)) or (hint,)

@@ -45,8 +45,9 @@ class Serving(NamedTuple):
     """What the app knows before the model is loaded."""
 
     server: ServerConfig
-    model_name: str  # the name clients use
+    model_name: str  # the name responses give the model
     created: int  # when the app was built (unix seconds): /v1/models' "created"
+    names: tuple[str, ...]  # every name a request may give it (--served-model-name's several)
 
 
 ENGINE = web.AppKey("engine", AsyncEngine)
@@ -113,7 +114,7 @@ def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web
     """The app; it listens while `engine` loads (on_startup starts the loading)."""
     app = web.Application(middlewares=[counting_middleware, errors_middleware],
                           client_max_size=server.max_request_bytes)
-    app[CONFIG] = Serving(server, model_name, int(time.time()))
+    app[CONFIG] = Serving(server, model_name, int(time.time()), tuple(server.served_model_name or [model_name]))
     app[ENGINE] = engine
     app[METRICS] = Metrics(engine, model_name)
     app[DRAINING] = asyncio.Event()
@@ -238,7 +239,8 @@ async def models(request: web.Request) -> web.Response:
                 "root": root, "parent": parent, "max_model_len": config.max_model_len}
     # the LoRA adapters after the model, each its child (as vLLM lists them)
     adapters = engine.loras.adapters() if engine.loras is not None else []
-    return json_response({"object": "list", "data": [card(serving.model_name, config.source or config.model, None)]
+    return json_response({"object": "list", "data": [card(name, config.source or config.model, None)
+                                                     for name in serving.names]
                           + [card(a.name, a.path, serving.model_name) for a in adapters]})
 
 
@@ -292,13 +294,13 @@ def check_body(request: web.Request, body: dict[str, Any]) -> dict[str, Any]:
 def served_adapter(request: web.Request, model: Any) -> Optional[LoRAAdapter]:
     """The LoRA adapter a body's model names; None for the served model (or none named). A name
     that is neither is a 404."""
-    served = request.app[CONFIG].model_name
-    if model is None or model == served:
+    served = request.app[CONFIG].names
+    if model is None or model in served:
         return None
     loras = request.app[ENGINE].loras
     adapter = loras.get(model) if loras is not None and isinstance(model, str) else None
     if adapter is None:
-        names = [served] + ([a.name for a in loras.adapters()] if loras is not None else [])
+        names = list(served) + ([a.name for a in loras.adapters()] if loras is not None else [])
         raise APIError(404, f"the model '{model}' does not exist; this server serves "
                        + ", ".join(f"'{name}'" for name in names),
                        param="model", type="not_found_error", code="model_not_found")

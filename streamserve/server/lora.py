@@ -52,7 +52,7 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
     path = body.get("lora_path")
     if not isinstance(path, str) or not path:
         raise bad_request("'lora_path' (the adapter's directory, on the server) is required", "lora_path")
-    if name == request.app[CONFIG].model_name:
+    if name in request.app[CONFIG].names:
         raise bad_request(f"'{name}' is the served model's name: give the adapter another", "lora_name")
     try:
         adapter = await asyncio.to_thread(loras.load, name, path)

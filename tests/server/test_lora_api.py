@@ -161,3 +161,18 @@ def test_without_runtime_updating_the_routes_are_absent(model_dirs, adapters, mo
     for live in serve_in_thread(model_dirs["llama"], enable_lora=True):
         status, _ = post(live.url + "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": adapters["sql"][0]})
         assert status == 404
+
+
+def test_several_served_model_names_all_reach_the_model(model_dirs):
+    """--served-model-name a b (as vLLM takes several): a request may name any, the response
+    names the first; /v1/models lists each."""
+    from streamserve.cli import build_parser, config_kwargs
+
+    assert config_kwargs(build_parser().parse_args(["--served-model-name", "a", "b"]))["served_model_name"] == ["a", "b"]
+    for live in serve_in_thread(model_dirs["llama"], served_model_name=["tiny", "tiny-alias"]):
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
+        out = client.completions.create(model="tiny-alias", prompt="hi", max_tokens=2)
+        assert out.model == "tiny"
+        with pytest.raises(openai.NotFoundError, match="'tiny', 'tiny-alias'"):
+            client.completions.create(model="other", prompt="hi", max_tokens=2)
