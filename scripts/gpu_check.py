@@ -15,7 +15,8 @@ seconds, and the decode section's engines and batch sizes stop DECODE_RESERVE se
      read per second against the copy bandwidth, at the engine's launch settings and a few
      others (warps, splits) to tune them by;
   4. greedy parity with transformers on a tiny random Llama (float32), with CUDA graphs
-     and with enforce_eager;
+     and with enforce_eager, and with every other prompt of a batch through a random LoRA
+     adapter (against the model with it merged into its weights);
   5. decode throughput of a Llama-3.2-1B-shaped model (random weights, bfloat16) at
      batch 1, 8, 64, 256, graphs (first: the figures the targets need) then eager, each mode
      failing on its own (the tokens a timed step made, checked against the batch: every request
@@ -231,6 +232,44 @@ def parity(report: Report, device: torch.device, work: str, smoke: bool) -> None
         mode = "eager" if eager else f"graphs ({replays} replays)"
         report.add("parity", f"tiny Llama float32, {mode}", f"{same}/{len(prompts)} prompts identical",
                    "all identical", same == len(prompts))
+
+
+def lora_parity(report: Report, device: torch.device, work: str, smoke: bool) -> None:
+    """A batch of prompts, every other one through a random LoRA adapter, on the graphs engine
+    (the adapter's steps run eagerly): each as transformers' greedy tokens on the model, or on
+    the model with the adapter merged into its weights."""
+    from transformers import AutoModelForCausalLM
+
+    from lora_adapters import build_adapter, merge_adapter
+    from streamserve import LLM, LoRARequest, SamplingParams
+    from tiny_models import build_model
+
+    model_dir = os.path.join(work, "tiny-llama")
+    if not os.path.isdir(model_dir):
+        build_model(model_dir, "llama", seed=0)
+    adapter = build_adapter(os.path.join(work, "lora"), model_dir, rank=8, seed=1)
+    merged = merge_adapter(model_dir, adapter, os.path.join(work, "lora-merged"))
+    prompts = [[3 + (i * 11 + j * 5) % 300 for j in range(n)] for i, n in enumerate((7, 33, 12, 70))]
+    new_tokens = 8 if smoke else 24
+    expected = []
+    for i, p in enumerate(prompts):
+        hf = AutoModelForCausalLM.from_pretrained(merged if i % 2 else model_dir, dtype=torch.float32).to(device).eval()
+        ids = torch.tensor([p], device=device)
+        with torch.no_grad():
+            seq = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0, eos_token_id=None)
+        expected.append(seq[0, len(p):].tolist())
+        del hf
+    llm = LLM(model_dir, device=str(device), dtype="float32", kernel_backend="triton", enable_lora=True,
+              num_gpu_blocks_override=512, max_num_seqs=8)
+    lora = LoRARequest("random", 1, adapter)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False,
+                        lora_request=[lora if i % 2 else None for i in range(len(prompts))])
+    same = sum(o.outputs[0].token_ids == e for o, e in zip(outs, expected))
+    report.add("parity", "tiny Llama float32, every other prompt through a LoRA adapter",
+               f"{same}/{len(prompts)} prompts identical", "all identical", same == len(prompts))
+    del llm
 
 
 def greedy_run(model_dir: str, device: torch.device, eager: bool, prompts: list[list[int]],
@@ -454,6 +493,7 @@ def main() -> None:
                 ("kernels", lambda: kernel_checks(report, device, args.smoke)),
                 ("attention", lambda: attention_bandwidth(report, device, copy_bw, args.smoke)),
                 ("parity", lambda: parity(report, device, work, args.smoke)),
+                ("lora", lambda: lora_parity(report, device, work, args.smoke)),
                 ("decode", lambda: throughput(report, device, work, copy_bw, args.smoke,
                                               started + args.limit - DECODE_RESERVE))]
     for section, run in sections:

@@ -84,3 +84,17 @@ def test_lora_steps_run_eagerly_beside_graph_replays(model_dirs, tmp_path):
     assert not replays
     assert_same_greedy(llm.generate(prompts, params, use_tqdm=False), hf_reference(model, 2, 6))
     assert replays
+
+
+def test_the_gpu_checks_lora_row_on_the_cpu(tmp_path, monkeypatch):
+    """scripts/gpu_check.py's LoRA parity row, run here through Triton's interpreter (tiny
+    sizes): the batch with an adapter on every other prompt matches transformers."""
+    import importlib
+    import os
+
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
+    monkeypatch.syspath_prepend(scripts)
+    gpu_check = importlib.import_module("gpu_check")
+    report = gpu_check.Report()
+    gpu_check.lora_parity(report, torch.device("cpu"), str(tmp_path), smoke=True)
+    assert [(r["value"], r["ok"]) for r in report.rows] == [("4/4 prompts identical", True)]
