@@ -304,8 +304,9 @@ class LoRAConfig:
                 "the model: --lora-modules at start, LLM.generate(lora_request=...), and POST "
                 "/v1/load_lora_adapter where VLLM_ALLOW_RUNTIME_LORA_UPDATING=true"})
     lora_modules: Optional[list[str]] = field(default=None, metadata={
-        "help": "adapters to load at start, as name=path or JSON {\"name\": ..., \"path\": ...}; a request "
-                "whose model is the name runs through it (needs --enable-lora)"})
+        "help": "adapters to load at start, as name=path or JSON {\"name\": ..., \"path\": ..., "
+                "\"base_model_name\": ...} (its parent in /v1/models); a request whose model is the name runs "
+                "through it (needs --enable-lora)"})
     max_loras: int = field(default=4, metadata={
         "help": "most distinct adapters in one step; a request for another waits (each adds small GEMMs "
                 "to every linear layer of the step)"})

@@ -48,6 +48,7 @@ class LoRAAdapter:
     path: str
     rank: int
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    base_model_name: Optional[str] = None  # /v1/models' parent for it (None: the served model)
     id: int = field(default_factory=lambda: next(_ids))
 
     @property

@@ -46,11 +46,13 @@ class LoRARegistry:
         except Exception as exc:  # what its checks did not foresee: still the adapter's fault, and a 400
             raise ValueError(f"LoRA adapter {name!r} cannot be read: {type(exc).__name__}: {exc}") from exc
 
-    def load(self, name: str, path: str) -> LoRAAdapter:
-        """Read the adapter at `path` and serve it as `name` (a ValueError if that name is taken)."""
+    def load(self, name: str, path: str, base_model_name: Optional[str] = None) -> LoRAAdapter:
+        """Read the adapter at `path` and serve it as `name` (a ValueError if that name is taken);
+        base_model_name: the parent /v1/models gives it (None: the served model)."""
         if self.get(name) is not None:
             raise ValueError(f"the LoRA adapter {name!r} has already been loaded")
         adapter = self.read(name, path)
+        adapter.base_model_name = base_model_name
         with self._lock:
             if name in self._by_name:  # loaded meanwhile by another caller
                 raise ValueError(f"the LoRA adapter {name!r} has already been loaded")
@@ -58,7 +60,7 @@ class LoRARegistry:
         return adapter
 
     def load_modules(self, specs: list[str]) -> list[LoRAAdapter]:
-        """--lora-modules: each `name=path` or JSON {"name": ..., "path": ...}."""
+        """--lora-modules: each `name=path` or JSON {"name": ..., "path": ..., "base_model_name": ...}."""
         return [self.load(*parse_module(spec)) for spec in specs]
 
     def get(self, name: str) -> Optional[LoRAAdapter]:

@@ -241,7 +241,7 @@ async def models(request: web.Request) -> web.Response:
     adapters = engine.loras.adapters() if engine.loras is not None else []
     return json_response({"object": "list", "data": [card(name, config.source or config.model, None)
                                                      for name in serving.names]
-                          + [card(a.name, a.path, serving.model_name) for a in adapters]})
+                          + [card(a.name, a.path, a.base_model_name or serving.model_name) for a in adapters]})
 
 
 def api_key_ok(request: web.Request, given: Optional[str] = None) -> bool:

@@ -176,3 +176,20 @@ def test_several_served_model_names_all_reach_the_model(model_dirs):
         assert out.model == "tiny"
         with pytest.raises(openai.NotFoundError, match="'tiny', 'tiny-alias'"):
             client.completions.create(model="other", prompt="hi", max_tokens=2)
+
+
+def test_a_lora_module_in_json_may_name_its_base_model(model_dirs, adapters):
+    """--lora-modules' JSON form, as vLLM takes it: base_model_name is the adapter's parent in
+    /v1/models (the served model where it gives none); a bad entry is refused by name."""
+    from streamserve.lora.request import parse_module
+
+    path = adapters["poet"][0]
+    assert parse_module(f"poet={path}") == ("poet", path, None)
+    for bad in ('{"name": "x"}', '{"name": "x", "path": "/p", "base_model_name": 3}', "{oops", "x"):
+        with pytest.raises(ValueError, match="lora_modules entry"):
+            parse_module(bad)
+    modules = [json.dumps({"name": "poet", "path": path, "base_model_name": "org/base"}), f"plain={path}"]
+    for live in serve_in_thread(model_dirs["llama"], served_model_name="tiny", enable_lora=True, lora_modules=modules):
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        assert [(m.id, m.parent) for m in client.models.list().data] == [
+            ("tiny", None), ("poet", "org/base"), ("plain", "tiny")]
