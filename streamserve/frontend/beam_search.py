@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from streamserve.outputs import SampleLogprobs
-from streamserve.sampling_params import BeamSearchParams, ParamError, SamplingParams
+from streamserve.sampling_params import BeamSearchParams
 
 
 @dataclass

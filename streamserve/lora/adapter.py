@@ -20,7 +20,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -30,12 +30,13 @@ _ids = itertools.count(1)
 
 class LoRATarget(NamedTuple):
     """Where a checkpoint module's adapter goes: the fused layer (its Linear.lora_key), the
-    rows of its output the module is, and its input size."""
+    rows of its output the module is, and the layer's input and output sizes."""
 
     layer: str
     row_start: int
     rows: int
     in_features: int
+    out_features: int
 
 
 @dataclass(eq=False)
@@ -61,8 +62,8 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
-def read_adapter(path: str, name: str, targets: dict[str, LoRATarget], out_features: Callable[[str], int],
-                 max_rank: int, dtype: torch.dtype, device: torch.device) -> LoRAAdapter:
+def read_adapter(path: str, name: str, targets: dict[str, LoRATarget], max_rank: int, dtype: torch.dtype,
+                 device: torch.device) -> LoRAAdapter:
     """Load the PEFT adapter in directory `path` for a model whose modules are `targets`
     (LlamaForCausalLM.lora_targets); refuse, naming what is wrong, what it cannot run."""
     if not os.path.isdir(path):
@@ -113,7 +114,7 @@ def read_adapter(path: str, name: str, targets: dict[str, LoRATarget], out_featu
     weights = {}
     for layer, parts in pieces.items():
         total = sum(a.shape[0] for _, a, _ in parts)
-        stacked_b = torch.zeros(out_features(layer), total, dtype=torch.float32)
+        stacked_b = torch.zeros(parts[0][0].out_features, total, dtype=torch.float32)
         col = 0
         for target, a, b in parts:
             stacked_b[target.row_start:target.row_start + target.rows, col:col + a.shape[0]] = b

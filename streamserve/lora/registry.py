@@ -22,10 +22,9 @@ from streamserve.lora.request import LoRARequest, parse_module
 
 class LoRARegistry:
     def __init__(self, config: LoRAConfig, model, dtype: torch.dtype, device: torch.device) -> None:
-        """model: a LlamaForCausalLM (its lora_targets and layers' sizes)."""
+        """model: a LlamaForCausalLM (its lora_targets)."""
         self.config = config
         self._targets = model.lora_targets()
-        self._out_features = {key: module.out_features for key, module in model.lora_layers().items()}
         self._dtype, self._device = dtype, device
         self._by_name: dict[str, LoRAAdapter] = {}
         # LLM's LoRARequests by lora_int_id, the most recently used last (at most max_cpu_loras)
@@ -39,8 +38,7 @@ class LoRARegistry:
         if not isinstance(path, str) or not path:
             raise ValueError(f"LoRA adapter {name!r} needs a path (its directory)")
         try:
-            return read_adapter(path, name, self._targets, self._out_features.__getitem__, self.config.max_lora_rank,
-                                self._dtype, self._device)
+            return read_adapter(path, name, self._targets, self.config.max_lora_rank, self._dtype, self._device)
         except ValueError:
             raise
         except Exception as exc:  # what its checks did not foresee: still the adapter's fault, and a 400

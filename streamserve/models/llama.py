@@ -257,22 +257,20 @@ class LlamaForCausalLM(nn.Module):
 
     # -- LoRA --------------------------------------------------------------------
 
-    def lora_layers(self) -> dict[str, Linear]:
-        """The linear layers a LoRA adapter may adapt, by lora_key (not the head)."""
-        return {m.lora_key: m for m in self.modules() if isinstance(m, Linear) and m.lora_key != "lm_head"}
-
     def lora_targets(self) -> dict[str, LoRATarget]:
         """Each checkpoint module an adapter may name ("layers.0.self_attn.q_proj", or a fused
-        "...qkv_proj" as Phi-3 stores it) -> where its adapter goes."""
+        "...qkv_proj" as Phi-3 stores it) -> where its adapter goes (any linear layer but the head)."""
         targets = {}
-        for key, layer in self.lora_layers().items():
-            targets[key] = LoRATarget(key, 0, layer.out_features, layer.in_features)
+        layers = {m.lora_key: m for m in self.modules() if isinstance(m, Linear) and m.lora_key != "lm_head"}
+        for key, layer in layers.items():
+            targets[key] = LoRATarget(key, 0, layer.out_features, layer.in_features, layer.out_features)
             prefix, _, fused = key.rpartition(".")
             pieces = sorted((shard, piece) for piece, (name, shard) in self.STACKED.items() if name == fused)
             if pieces:
                 sizes = self.shard_sizes(fused)
                 for shard, piece in pieces:
-                    targets[f"{prefix}.{piece}"] = LoRATarget(key, sum(sizes[:shard]), sizes[shard], layer.in_features)
+                    targets[f"{prefix}.{piece}"] = LoRATarget(key, sum(sizes[:shard]), sizes[shard], layer.in_features,
+                                                              layer.out_features)
         return targets
 
     # -- weights ---------------------------------------------------------------
