@@ -57,7 +57,7 @@ def measure(model: str, backend: str, batch: int, context: int, steps: int) -> d
         for req_id, token in zip(ids, tokens):  # what execute_model does after sampling
             runner.requests[req_id].token_ids.append(token)
         t3 = time.perf_counter()
-        outputs = sched.update_from_output(so, ModelRunnerOutput(ids, tokens))
+        outputs = sched.update_from_output(so, ModelRunnerOutput(ids, [[t] for t in tokens]))
         t4 = time.perf_counter()
         processor.process_outputs(outputs)
         return t1 - t0, t2 - t1, t4 - t3, time.perf_counter() - t4

@@ -227,6 +227,42 @@ class CacheConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's speculative_config): n-gram prompt lookup, the one method that
+    needs no second model. Where neither lookup length is given both are 5; where one is, the
+    other takes its value (vLLM's defaults)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    METHODS = ("ngram",)
+
+    @classmethod
+    def from_dict(cls, given: dict) -> "SpeculativeConfig":
+        known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"speculative_config: {', '.join(map(repr, unknown))} not among {', '.join(known)}")
+        method = given.get("method")
+        if method not in cls.METHODS:
+            raise ValueError(f"speculative_config: method {method!r} is not served: only \"ngram\" (prompt "
+                             "lookup), which needs no draft model")
+        k = given.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
+            raise ValueError(f"speculative_config: num_speculative_tokens ({k!r}) must be an integer in [1, 32]")
+        high, low = given.get("prompt_lookup_max"), given.get("prompt_lookup_min")
+        high, low = (5, 5) if high is None and low is None else (low if high is None else high, high if low is None else low)
+        for name, value in (("prompt_lookup_max", high), ("prompt_lookup_min", low)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} ({value!r}) must be an integer >= 1")
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
+        return cls(method, k, high, low)
+
+
+@dataclass
 class SchedulerConfig:
     """The per-step budget. Chunked prefill is always on."""
 
@@ -237,6 +273,14 @@ class SchedulerConfig:
     max_num_batched_tokens: Optional[int] = field(default=None, metadata={
         "help": "most tokens in one step, which bounds how long a long prompt stalls the others' "
                 "streams (default: 256 on the CPU, 2048 on CUDA)"})
+    speculative_config: Optional[dict] = field(default=None, metadata={
+        "help": "speculative decoding, as vLLM's: JSON {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
+                "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m}: each step guesses a decoding request's next "
+                "k tokens from where its last n..m tokens occurred before in it (prompt or output), and the "
+                "step checks them all at once, keeping the tokens it would have sampled"})
+
+    # Filled in by __post_init__: speculative_config read.
+    speculative: Optional["SpeculativeConfig"] = field(default=None, repr=False, metadata={"cli": False})
 
     # A CPU reads about 256 prompt tokens of SmolLM2-135M a second, so longer steps hold every
     # stream for seconds; float32 GEMMs of 256 rows run at ~87% of the speed of 2048.
@@ -249,6 +293,8 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy {self.scheduling_policy!r} must be fcfs or priority")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= 1")
+        if self.speculative_config is not None:
+            self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
 
     def resolve(self, device: str) -> None:
         """Fill the device's default budget."""

@@ -34,6 +34,11 @@ class EngineCore:
         self.vocab_size = self.model_runner.model.arch.vocab_size
         self.scheduler = Scheduler(config, self.model_runner.num_blocks,
                                    None if tokenizer is None else lambda: self._vocabulary(tokenizer))
+        speculative = config.scheduler.speculative
+        if speculative is not None:
+            logger.info("speculative decoding: up to %d tokens a step guessed by n-gram lookup (n from %d down to %d)",
+                        speculative.num_speculative_tokens, speculative.prompt_lookup_max,
+                        speculative.prompt_lookup_min)
         # the LoRA adapters requests may name (--enable-lora), those of --lora-modules read now
         self.loras: Optional[LoRARegistry] = None
         if config.lora.enable_lora:

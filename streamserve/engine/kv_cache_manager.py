@@ -83,19 +83,20 @@ class KVCacheManager:
             self.block_pool.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Optional[list[KVCacheBlock]] = None
-                       ) -> Optional[list[KVCacheBlock]]:
+                       new_computed_blocks: Optional[list[KVCacheBlock]] = None,
+                       num_draft_tokens: int = 0) -> Optional[list[KVCacheBlock]]:
         """Give the request blocks for `num_new_tokens` more tokens after its
         computed ones (and after `new_computed_blocks`, a prefix hit being taken).
         Returns the newly taken blocks, or None (and changes nothing) if the pool
-        cannot supply them."""
+        cannot supply them. The last `num_draft_tokens` of them are speculative guesses,
+        which may be wrong: no block is registered for the prefix cache on their account."""
         req_blocks = self.req_to_blocks.get(request.request_id)
         if req_blocks is not None and not new_computed_blocks:
             # The common decode step: the tokens fit the blocks held and fill no new one.
             end = request.num_computed_tokens + num_new_tokens
             if end <= len(req_blocks) * self.block_size and (
                     not self.enable_caching
-                    or end // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)):
+                    or (end - num_draft_tokens) // self.block_size <= self.num_cached_blocks.get(request.request_id, 0)):
                 return []
         computed = new_computed_blocks or []
         num_new_blocks, num_free = self._blocks_wanted(request, num_new_tokens, computed)
@@ -111,7 +112,7 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         req_blocks.extend(new_blocks)
         if self.enable_caching:
-            self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens)
+            self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens - num_draft_tokens)
         return new_blocks
 
     def can_allocate(self, request: Request, num_new_tokens: int,

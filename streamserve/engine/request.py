@@ -95,7 +95,7 @@ class Request:
                  "arrival_time", "max_tokens", "all_token_ids", "output_token_ids",
                  "num_computed_tokens", "num_cached_tokens", "status", "stop_reason",
                  "block_hashes", "num_preemptions", "first_scheduled_time", "num_prompt_logprobs",
-                 "structured_state", "priority", "lora")
+                 "structured_state", "priority", "lora", "spec_token_ids", "token_history")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: Optional[int],
@@ -125,6 +125,10 @@ class Request:
         # structured output: the recognizer's states after the output so far (structured_output.py)
         structured = sampling_params.structured_outputs
         self.structured_state = None if structured is None else structured.states
+        # speculative decoding: the tokens guessed to follow (checked by the next step), and the
+        # tokens as packed integers that the n-gram lookup searches (spec_decode/)
+        self.spec_token_ids: list[int] = []
+        self.token_history = bytearray()
 
     @property
     def wants_prompt_logprobs(self) -> bool:

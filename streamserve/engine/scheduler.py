@@ -16,6 +16,12 @@ order. A waiting request of a lower priority value than the last running one als
 its place when it could not start beside it (no seat under max_num_seqs, or too few free
 blocks for its first chunk).
 
+With speculative decoding (spec_decode/), a decoding request that has guesses for its next
+tokens reads them after its last token in the same step (each counted against the budget,
+the guesses that do not fit dropped); the step samples a token at every one of those rows,
+and the request keeps the guesses up to the first its row disagrees with, plus that row's
+token: its num_computed_tokens steps back over the rest, whose KV is written over later.
+
 A waiting request through a LoRA adapter that would make the running batch's adapters more
 than max_loras is passed over for this step, keeping its place, and so are the LoRA requests
 behind it (the model's own still start): its turn comes once the running adapters drain.
@@ -37,6 +43,7 @@ from streamserve.engine.request import EngineCoreOutput, Request, RequestStatus
 from streamserve.engine.structured_output import Vocabulary
 from streamserve.engine.scheduler_output import (CachedRequestData, ModelRunnerOutput,
                                                  NewRequestData, SchedulerOutput)
+from streamserve.spec_decode.ngram_proposer import NgramProposer
 
 
 class Scheduler:
@@ -58,6 +65,12 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        speculative = config.scheduler.speculative
+        self.proposer = None if speculative is None else NgramProposer(speculative)
+        # speculative decoding's counts (vLLM's spec_decode metrics): steps that checked guesses,
+        # guesses checked, guesses kept, and guesses kept at each position
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos = [0] * (0 if speculative is None else speculative.num_speculative_tokens)
 
     # -- intake ---------------------------------------------------------------
 
@@ -94,6 +107,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
+        spec_tokens: dict[str, list[int]] = {}
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
         kv = self.kv_cache_manager
@@ -110,7 +124,12 @@ class Scheduler:
             request = running[i]
             num_computed = request.num_computed_tokens
             num_new = min(len(request.all_token_ids) - num_computed, budget)
-            new_blocks = kv.allocate_slots(request, num_new)
+            drafts = request.spec_token_ids
+            if drafts:  # (a decode's: its gap is 1) guesses past the budget are dropped
+                request.spec_token_ids = []
+                drafts = drafts[:budget - num_new]
+                num_new += len(drafts)
+            new_blocks = kv.allocate_slots(request, num_new, None, len(drafts))
             while new_blocks is None:
                 victim = running.pop()
                 self._preempt(victim)
@@ -118,9 +137,11 @@ class Scheduler:
                 short = True
                 if victim is request:
                     break
-                new_blocks = kv.allocate_slots(request, num_new)
+                new_blocks = kv.allocate_slots(request, num_new, None, len(drafts))
             if new_blocks is None:
                 break
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             num_scheduled[request.request_id] = num_new
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
@@ -176,6 +197,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=[r.request_id for r in preempted],
             allowed_token_masks=self._allowed_token_masks(num_scheduled),
+            scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
         return output
@@ -238,6 +260,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -252,19 +275,32 @@ class Scheduler:
         prompt_logprobs = self._new_prompt_logprobs(runner_output.prompt_logprobs) \
             if runner_output.prompt_logprobs else {}
         any_finished = False
-        for i, (req_id, token) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        for i, (req_id, tokens) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = requests.get(req_id)
             if request is None:  # aborted while the step ran
                 continue
-            request.append_output_token(token)
-            if request.structured_state is not None:
-                request.structured_state = self.vocabulary().after(request.structured_state, token)
-            finished = request.check_stop()
+            if len(tokens) == 1:
+                token = tokens[0]
+                request.append_output_token(token)
+                if request.structured_state is not None:
+                    request.structured_state = self.vocabulary().after(request.structured_state, token)
+                finished = request.check_stop()
+            else:
+                tokens, finished = self._append_tokens(request, tokens)
+            drafts = spec_tokens.get(req_id) if spec_tokens else None
+            if drafts is not None:
+                self._count_accepted(len(drafts), len(tokens) - 1)
+                # the rows after the last guess kept hold KV of guesses that were wrong
+                request.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+            if self.proposer is not None and not finished:
+                self._propose(request)
             queue_time = None
-            if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
+            if len(request.output_token_ids) == len(tokens) and request.first_scheduled_time is not None:
                 queue_time = request.first_scheduled_time - request.arrival_time
+            lps = None if logprobs is None else logprobs[i]
             outputs.append(EngineCoreOutput(
-                req_id, [token], None if logprobs is None or logprobs[i] is None else [logprobs[i]],
+                req_id, tokens, None if lps is None else lps[:len(tokens)],
                 request.status.finish_reason if finished else None,
                 request.stop_reason, request.num_cached_tokens, queue_time, prompt_logprobs.pop(req_id, None),
                 None if embeddings is None else embeddings.get(req_id)))
@@ -278,6 +314,37 @@ class Scheduler:
             outputs.append(EngineCoreOutput(req_id, [], None, None, None, requests[req_id].num_cached_tokens,
                                             new_prompt_logprobs=entries))
         return outputs
+
+    @staticmethod
+    def _append_tokens(request: Request, tokens: list[int]) -> tuple[list[int], bool]:
+        """Append several tokens (a step that checked guesses), up to one that ends the request:
+        (the tokens appended, whether it finished). (No structured-output request guesses.)"""
+        for n, token in enumerate(tokens, 1):
+            request.append_output_token(token)
+            if request.check_stop():
+                return tokens[:n], True
+        return tokens, False
+
+    def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_drafts
+        self.spec_num_accepted_tokens += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
+
+    def _propose(self, request: Request) -> None:
+        """Guess the request's next tokens for the next step to check (spec_decode/): at most
+        num_speculative_tokens, and one fewer than the tokens it may still emit. A request
+        under structured output, or below its min_tokens, guesses none: what it may sample
+        at a row depends on the guesses before it in ways the sampler's rows do not see."""
+        params = request.sampling_params
+        room = request.max_tokens - len(request.output_token_ids) - 1
+        if (room < 1 or request.structured_state is not None or params.embed
+                or len(request.output_token_ids) < params.min_tokens):
+            return
+        request.spec_token_ids = self.proposer.propose(
+            request.all_token_ids, request.token_history, min(room, self.proposer.num_speculative_tokens))
 
     def _new_prompt_logprobs(self, computed: dict[str, tuple[int, list]]) -> dict[str, list]:
         """The prompt logprobs not reported yet (a preempted request computes some again)."""

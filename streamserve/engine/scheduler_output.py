@@ -59,15 +59,20 @@ class SchedulerOutput:
     preempted_req_ids: list[str]
     # structured output: req_id -> [vocab] bool mask of the tokens it may sample this step (read-only)
     allowed_token_masks: dict[str, np.ndarray] = field(default_factory=dict)
+    # speculative decoding: req_id -> the guessed tokens it reads after its last one (its
+    # num_scheduled_tokens counts them); each row samples, and the guesses up to the first
+    # that differs from its row's token are kept
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
 class ModelRunnerOutput:
-    """The requests that sampled this step, in batch order, with their tokens."""
+    """The requests that sampled this step, in batch order, with their tokens: one each, or
+    with speculative decoding up to one more than its guesses."""
 
     req_ids: list[str]
-    sampled_token_ids: list[int]
-    logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    sampled_token_ids: list[list[int]]
+    logprobs: Optional[list[Optional[list[TokenLogprobs]]]] = None  # per request: one per token, or None
     # req_id -> (first prompt position scored, its TokenLogprobs and the next ones'): position
     # p scores prompt token p + 1
     prompt_logprobs: Optional[dict[str, tuple[int, list[TokenLogprobs]]]] = None

@@ -142,7 +142,7 @@ class IncrementalDetokenizer:
 
     def _stream_delta(self, new_token_ids: list[int]) -> Optional[str]:
         """The backend's DecodeStream takes the tokens; the offsets follow its window. (It takes
-        them one at a time: an update of several tokens, which the engine never sends, may
+        them one at a time: an update of several tokens (guesses kept, with speculative decoding) may
         emit text one update earlier than the Python window would.)"""
         pieces = []
         for i, token in enumerate(new_token_ids):

@@ -121,16 +121,24 @@ class OutputProcessor:
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.queue_time is not None:
                 parent.metrics.setdefault("queue_time", out.queue_time)
-            sample.token_ids.extend(out.new_token_ids)
-            if out.new_logprobs is not None and sample.logprobs is not None:
-                self._add_logprobs(sample, out)
+            new_token_ids, new_logprobs = out.new_token_ids, out.new_logprobs
+            if len(new_token_ids) > 1 and sample.detokenizer.stop:
+                # several tokens (guesses kept): a stop string may end before the last, whose
+                # tokens after it are dropped as if never sampled
+                stop, kept = self._update_token_by_token(sample.detokenizer, new_token_ids, out.finish_reason)
+                new_token_ids = new_token_ids[:kept]
+                new_logprobs = None if new_logprobs is None else new_logprobs[:kept]
+            else:
+                stop = sample.detokenizer.update(new_token_ids, out.finish_reason)
+            sample.token_ids.extend(new_token_ids)
+            if new_logprobs is not None and sample.logprobs is not None:
+                self._add_logprobs(sample, new_token_ids, new_logprobs)
             if out.new_prompt_logprobs is not None and parent.prompt_logprobs is not None:
                 for lp in out.new_prompt_logprobs:
                     token = parent.prompt_token_ids[len(parent.prompt_logprobs)]
                     parent.prompt_logprobs.append(self._entry(token, lp))
             if out.embedding is not None:
                 parent.embedding = out.embedding
-            stop = sample.detokenizer.update(out.new_token_ids, out.finish_reason)
             if stop is not None:  # a stop string wins over the engine's own reason
                 if out.finish_reason is None:
                     to_abort.append(out.request_id)
@@ -170,8 +178,19 @@ class OutputProcessor:
                              parent.finished, parent.num_cached_tokens, dict(parent.metrics), prompt_logprobs,
                              parent.embedding)
 
-    def _add_logprobs(self, sample: _Sample, out: EngineCoreOutput) -> None:
-        for token, lp in zip(out.new_token_ids, out.new_logprobs):
+    @staticmethod
+    def _update_token_by_token(detokenizer: IncrementalDetokenizer, token_ids: list[int],
+                               finish_reason: Optional[str]) -> tuple[Optional[str], int]:
+        """The detokenizer's update a token at a time, up to one that completes a stop string:
+        (that stop string or None, the tokens taken)."""
+        for n, token in enumerate(token_ids, 1):
+            stop = detokenizer.update([token], finish_reason if n == len(token_ids) else None)
+            if stop is not None:
+                return stop, n
+        return None, len(token_ids)
+
+    def _add_logprobs(self, sample: _Sample, token_ids: list[int], logprobs: list) -> None:
+        for token, lp in zip(token_ids, logprobs):
             sample.logprobs.append(self._entry(token, lp))
             sample.cumulative_logprob += lp.sampled_logprob
 

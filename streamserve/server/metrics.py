@@ -46,8 +46,27 @@ class _EngineCollector:
             hits.add_metric([self.model_name], pool.prefix_cache_hits)
             preemptions.add_metric([self.model_name], scheduler.num_preemptions)
         yield from (running, waiting, usage, queries, hits, preemptions)
+        if core is not None and core.scheduler.proposer is not None:
+            yield from self._spec_decode(core.scheduler)
         if core is not None and core.loras is not None:
             yield self._lora_info(core)
+
+    def _spec_decode(self, scheduler) -> Iterator[CounterMetricFamily]:
+        """vLLM's speculative decoding counters: steps that checked a request's guesses, the
+        guesses checked, those kept, and those kept at each position (0 first)."""
+        labels = ["model_name"]
+        for name, text, value in (
+                ("spec_decode_num_drafts", "Guesses checked for a request by a step", scheduler.spec_num_drafts),
+                ("spec_decode_num_draft_tokens", "Guessed tokens checked", scheduler.spec_num_draft_tokens),
+                ("spec_decode_num_accepted_tokens", "Guessed tokens kept", scheduler.spec_num_accepted_tokens)):
+            family = CounterMetricFamily(P + name, text, labels=labels)
+            family.add_metric([self.model_name], value)
+            yield family
+        per_pos = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Guessed tokens kept at each position", labels=labels + ["position"])
+        for position, value in enumerate(list(scheduler.spec_accepted_per_pos)):
+            per_pos.add_metric([self.model_name, str(position)], value)
+        yield per_pos
 
     @staticmethod
     def _lora_info(core) -> GaugeMetricFamily:

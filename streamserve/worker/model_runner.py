@@ -3,7 +3,10 @@
 The batch has no padding between requests. Decodes (one query token) come first so
 attention can treat them as one padded group; prefill chunks follow. Logits are
 computed only for the last scheduled token of each request whose gap closes this
-step: a chunk that leaves part of its prompt unread samples nothing.
+step: a chunk that leaves part of its prompt unread samples nothing. A request that
+reads guessed tokens (speculative decoding) is laid out as a chunk, its last token then
+the guesses, and samples at every row of it; it keeps the guesses up to the first that
+differs from the token its row sampled, plus that token (or the last row's, all kept).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from streamserve.models.quantized import BLOCKS, read_quantized
 from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
 from streamserve.worker.block_table import BlockTable
 from streamserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
-from streamserve.worker.request_state import RequestState
+from streamserve.worker.request_state import DraftRow, RequestState
 from streamserve.worker.triton_attention import TritonAttentionMetadata, TritonPagedAttention
 from streamserve.worker.sampler import Sampler
 from streamserve.worker.staging import HostStaging
@@ -350,9 +353,42 @@ class ModelRunner:
             masks = so.allowed_token_masks
             tokens, logprobs = self.sampler(logits, samplers, [masks.get(s.req_id) for s in samplers]
                                             if masks else None)
+        if so.scheduled_spec_decode_tokens:
+            output = self._kept_guesses(samplers, tokens, logprobs, so.scheduled_spec_decode_tokens)
+            output.prompt_logprobs, output.embeddings = prompt_logprobs, embeddings
+            return output
         for state, token in zip(samplers, tokens):
             state.token_ids.append(token)
-        return ModelRunnerOutput([s.req_id for s in samplers], tokens, logprobs, prompt_logprobs, embeddings)
+        return ModelRunnerOutput([s.req_id for s in samplers], [[t] for t in tokens],
+                                 None if logprobs is None else [None if lp is None else [lp] for lp in logprobs],
+                                 prompt_logprobs, embeddings)
+
+    @staticmethod
+    def _kept_guesses(rows: list, tokens: list[int], logprobs: Optional[list], spec: dict[str, list[int]]
+                      ) -> ModelRunnerOutput:
+        """The step's output where some requests checked guesses (their rows follow each other,
+        the first being the request itself): each keeps its guesses up to the first that differs
+        from its row's sampled token, and then that token; the rest sample one token each. (A
+        row's token is drawn from the distribution after the guesses before it; keeping it only
+        while the guesses agree draws each kept token from the distribution that sampling it
+        alone would have, so speculation changes no output's distribution.)"""
+        req_ids, sampled, lps = [], [], None if logprobs is None else []
+        i = 0
+        while i < len(rows):
+            state = rows[i]
+            drafts = spec.get(state.req_id)
+            n = 1
+            if drafts is not None:
+                while n <= len(drafts) and tokens[i + n - 1] == drafts[n - 1]:
+                    n += 1
+            kept = tokens[i:i + n]
+            state.token_ids += kept
+            req_ids.append(state.req_id)
+            sampled.append(kept)
+            if lps is not None:
+                lps.append(None if logprobs[i] is None else logprobs[i:i + n])
+            i += 1 if drafts is None else len(drafts) + 1
+        return ModelRunnerOutput(req_ids, sampled, lps)
 
     def _embeddings(self, rows: torch.Tensor, samplers: list[RequestState]) -> dict[str, list[float]]:
         """The sampled rows of requests with SamplingParams.embed (a prompt's last token: the
@@ -459,10 +495,17 @@ class ModelRunner:
 
         chunks: list[tuple[int, int]] = []  # (rows, context before)
         start = nd
+        spec = so.scheduled_spec_decode_tokens
         for state, n in prefills:
             ctx = state.num_computed_tokens
             p = np.arange(ctx, ctx + n, dtype=np.int64)
-            ids.append(np.asarray(state.token_ids[ctx:ctx + n], dtype=np.int64))
+            drafts = spec.get(state.req_id) if spec else None
+            if drafts is not None:  # its last token, then its guesses: every row samples
+                ids.append(np.array([state.token_ids[ctx], *drafts], dtype=np.int64))
+                logits_indices.extend(range(start, start + n))
+                samplers += _draft_rows(state, drafts)
+            else:
+                ids.append(np.asarray(state.token_ids[ctx:ctx + n], dtype=np.int64))
             positions.append(p)
             slots.append(table[state.row, p // bs] * bs + p % bs)
             seq_lens.append(np.array([ctx + n]))
@@ -471,7 +514,7 @@ class ModelRunner:
             if state.params.prompt_logprobs is not None:
                 prompt_rows += [(start + q - ctx, state.token_ids[q + 1], state, q)
                                 for q in range(ctx, min(ctx + n, state.num_prompt_tokens - 1))]
-            if ctx + n == len(state.token_ids):
+            if drafts is None and ctx + n == len(state.token_ids):
                 logits_indices.append(start + n - 1)
                 samplers.append(state)
             start += n
@@ -562,6 +605,16 @@ class ModelRunner:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible, float("-inf"))
         return mask.view(len(seq_lens), 1, 1, -1)
+
+
+def _draft_rows(state: RequestState, drafts: list[int]) -> list:
+    """The sampler's rows for a request checking guesses: the request itself at every row,
+    unless its penalties or bad words read its tokens (then each row after the first sees the
+    guesses before it as sampled)."""
+    params = state.params
+    if params.has_penalties or params.bad_words_token_ids:
+        return [state] + [DraftRow(state, drafts[:j]) for j in range(1, len(drafts) + 1)]
+    return [state] * (len(drafts) + 1)
 
 
 def query_start_loc(nd: int, chunks: list[tuple[int, int]]) -> np.ndarray:

@@ -33,3 +33,46 @@ class RequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+
+class DraftRow:
+    """A row of a step that checks a request's guessed tokens (speculative decoding) whose
+    logits follow the first `num_drafts` of them: to the sampler, the request as it would be had
+    it sampled those (its penalties and bad words count them)."""
+
+    __slots__ = ("state", "token_ids")
+
+    def __init__(self, state: RequestState, drafts: list[int]) -> None:
+        self.state = state
+        self.token_ids = state.token_ids + drafts
+
+    @property
+    def req_id(self) -> str:
+        return self.state.req_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.state.params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.state.num_prompt_tokens
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        return self.state.eos_token_id
+
+    @property
+    def generator(self) -> Optional[torch.Generator]:
+        return self.state.generator
+
+    @property
+    def allowed_mask(self):
+        return self.state.allowed_mask
+
+    @allowed_mask.setter
+    def allowed_mask(self, mask) -> None:
+        self.state.allowed_mask = mask
+
+    prompt_token_ids = RequestState.prompt_token_ids
+    output_token_ids = RequestState.output_token_ids

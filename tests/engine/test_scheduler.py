@@ -29,7 +29,7 @@ def fake_run(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> ModelRun
     """Sample `token` for each scheduled request whose gap closed this step."""
     ids = [rid for rid in out.num_scheduled_tokens
            if sched.requests[rid].num_computed_tokens == sched.requests[rid].num_tokens]
-    return ModelRunnerOutput(ids, [token] * len(ids))
+    return ModelRunnerOutput(ids, [[token]] * len(ids))
 
 
 def run_step(sched: Scheduler, token: int = 7):
@@ -206,3 +206,106 @@ def test_prefix_cache_hit_skips_cached_tokens(llama_dir):
     out, _ = run_step(sched)
     assert out.num_scheduled_tokens == {"C": 16}  # the last block is recomputed, not 0 tokens
     assert sched.kv_cache_manager.num_free_blocks == 64
+
+
+# -- speculative decoding: guesses scheduled, checked and stepped back over -------------------
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+
+
+def guessing_request(rid: str = "A", max_tokens: int = 20, **params) -> Request:
+    """Its prompt repeats: once it samples 3, "2 3" occurred before, followed by 4 1 2."""
+    params.setdefault("ignore_eos", True)
+    return Request(rid, [1, 2, 3, 4, 1, 2], SamplingParams(max_tokens=max_tokens, **params), EOS, max_model_len=512)
+
+
+def step_with(sched: Scheduler, tokens: dict[str, list[int]]):
+    """One step whose scheduled requests that sample (their gap closes) give these tokens."""
+    out = sched.schedule()
+    ids = [rid for rid in out.num_scheduled_tokens
+           if sched.requests[rid].num_computed_tokens >= sched.requests[rid].num_tokens]
+    return out, sched.update_from_output(out, ModelRunnerOutput(ids, [tokens[rid] for rid in ids]))
+
+
+def test_guesses_are_scheduled_checked_and_the_wrong_ones_stepped_back_over(llama_dir):
+    sched = make_scheduler(llama_dir, speculative_config=SPEC)
+    sched.add_request(guessing_request())
+    step_with(sched, {"A": [3]})
+    request = sched.requests["A"]
+    assert request.spec_token_ids == [4, 1, 2]
+    out, outputs = step_with(sched, {"A": [4, 1, 9]})  # rows 1 and 2 agree, row 3 samples 9
+    assert out.num_scheduled_tokens == {"A": 4} and out.scheduled_spec_decode_tokens == {"A": [4, 1, 2]}
+    assert out.total_num_scheduled_tokens == 4
+    assert outputs[0].new_token_ids == [4, 1, 9]
+    assert request.output_token_ids == [3, 4, 1, 9]
+    assert request.num_computed_tokens == request.num_tokens - 1  # the KV of guess "2" is not kept
+    assert (sched.spec_num_drafts, sched.spec_num_draft_tokens, sched.spec_num_accepted_tokens) == (1, 3, 2)
+    assert sched.spec_accepted_per_pos == [1, 1, 0]
+    assert request.spec_token_ids == []  # 9 never occurred before
+    out, _ = step_with(sched, {"A": [5]})
+    assert out.num_scheduled_tokens == {"A": 1} and out.scheduled_spec_decode_tokens == {}
+
+
+def test_guesses_fit_the_budget_and_the_tokens_left(llama_dir):
+    sched = make_scheduler(llama_dir, speculative_config=SPEC, max_num_batched_tokens=2)
+    sched.add_request(guessing_request())
+    while not sched.requests["A"].output_token_ids:
+        step_with(sched, {"A": [3]})
+    out, _ = step_with(sched, {"A": [4, 1]})
+    assert out.scheduled_spec_decode_tokens == {"A": [4]}  # the budget holds one guess
+    sched = make_scheduler(llama_dir, speculative_config=SPEC)
+    sched.add_request(guessing_request(max_tokens=3))
+    step_with(sched, {"A": [3]})
+    assert sched.requests["A"].spec_token_ids == [4]  # 2 tokens left: one guess and the row after it
+    _, outputs = step_with(sched, {"A": [4, 1]})
+    assert outputs[0].new_token_ids == [4, 1] and outputs[0].finish_reason == "length"
+
+
+def test_a_stop_among_the_kept_tokens_ends_the_request_there(llama_dir):
+    sched = make_scheduler(llama_dir, speculative_config=SPEC)
+    sched.add_request(guessing_request(stop_token_ids=[1]))
+    step_with(sched, {"A": [3]})
+    _, outputs = step_with(sched, {"A": [4, 1, 2, 8]})
+    assert outputs[0].new_token_ids == [4, 1]
+    assert (outputs[0].finish_reason, outputs[0].stop_reason) == ("stop", 1)
+    assert not sched.has_unfinished_requests() and sched.kv_cache_manager.num_free_blocks == 64
+
+
+def test_requests_whose_rows_depend_on_the_guesses_guess_nothing(llama_dir):
+    """Structured output is held by masks the scheduler builds for one row; min_tokens bans
+    EOS by the count of tokens before the row."""
+    sched = make_scheduler(llama_dir, speculative_config=SPEC)
+    sched.add_request(guessing_request(min_tokens=3))
+    step_with(sched, {"A": [3]})
+    assert sched.requests["A"].spec_token_ids == []
+    step_with(sched, {"A": [4]})
+    step_with(sched, {"A": [1]})
+    assert sched.requests["A"].spec_token_ids == [2, 3, 4]  # 3 tokens out: guessing starts
+
+
+def test_preemption_drops_the_guesses(llama_dir):
+    sched = make_scheduler(llama_dir, speculative_config=SPEC)
+    sched.add_request(guessing_request())
+    step_with(sched, {"A": [3]})
+    sched._preempt(sched.running.pop())
+    assert sched.requests["A"].spec_token_ids == []
+
+
+def test_no_block_is_cached_on_the_strength_of_a_guess(llama_dir):
+    """Guesses that reach past a block's end do not register that block for the prefix cache;
+    the tokens kept, once they fill it, do, under their own hash."""
+    from streamserve.engine.kv_cache_manager import hash_block_tokens
+
+    sched = make_scheduler(llama_dir, speculative_config=SPEC, enable_prefix_caching=True, block_size=16)
+    prompt = [1, 2, 3, 4, 5, 6, 7] * 2
+    sched.add_request(Request("A", prompt, SamplingParams(max_tokens=20, ignore_eos=True), EOS, max_model_len=512))
+    step_with(sched, {"A": [1]})
+    request, kv = sched.requests["A"], sched.kv_cache_manager
+    assert request.spec_token_ids == [2, 3, 4]
+    out, _ = step_with(sched, {"A": [9]})  # reads positions 14-17; the first guess is wrong
+    assert out.num_scheduled_tokens == {"A": 4}
+    assert kv.num_cached_blocks.get("A", 0) == 0 and request.num_computed_tokens == 15
+    step_with(sched, {"A": [5]})  # position 15 read: block 0 holds 16 real tokens now
+    assert kv.num_cached_blocks["A"] == 1
+    real = tuple(prompt + [1, 9])
+    assert kv.block_pool.get_cached_block(hash_block_tokens(None, real)) is kv.req_to_blocks["A"][0]

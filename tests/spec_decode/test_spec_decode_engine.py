@@ -1,0 +1,115 @@
+"""Speculative decoding in the engine: whatever the guesses, a request's tokens are those it
+would sample without them. Greedy outputs match token for token (logprobs too) with guesses
+kept and refused, under penalties and bad words (which read the guesses before each row); a
+sampled output's distribution matches; stop strings, the prefix cache and seeds hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from parity import assert_same_greedy, hf_reference, parity_prompts
+
+from streamserve import LLM, SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PROMPTS = [{"prompt_token_ids": p} for p in parity_prompts()]
+# Held to three tokens, the tiny random model's greedy text repeats itself soon: guesses come true.
+FEW = [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def engines(llama_dir):
+    make = lambda **kw: LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB", max_num_seqs=256, **kw)  # noqa: E731
+    return make(), make(speculative_config=SPEC)
+
+
+def guesses(llm: LLM) -> tuple[int, int]:
+    scheduler = llm.engine_core.scheduler
+    return scheduler.spec_num_draft_tokens, scheduler.spec_num_accepted_tokens
+
+
+def test_greedy_outputs_match_transformers(engines, llama_dir):
+    _, spec = engines
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=0)
+    before = guesses(spec)
+    assert_same_greedy(spec.generate(PROMPTS, params, use_tqdm=False), hf_reference(llama_dir, 9, 32))
+    assert guesses(spec)[0] > before[0]
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"repetition_penalty": 1.5, "frequency_penalty": 0.3, "presence_penalty": 0.2},
+    {"bad_words_token_ids": [[5, 6], [7, 7, 5]]},
+    {"logit_bias": {6: 1.5}, "top_k": 1, "temperature": 0.7},  # top_k 1: greedy through the sampling path
+], ids=["plain", "penalties", "bad-words", "bias-top-k"])
+def test_greedy_outputs_match_without_speculation(engines, extra):
+    plain, spec = engines
+    params = SamplingParams(**{"temperature": 0, "max_tokens": 48, "ignore_eos": True, "logprobs": 2,
+                               "allowed_token_ids": FEW, **extra})
+    before = guesses(spec)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    checked, kept = np.subtract(guesses(spec), before)
+    assert 0 < kept < checked  # guesses were both kept and refused
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+        assert len(a.outputs[0].logprobs) == len(b.outputs[0].token_ids)
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert list(x) == list(y)  # the token, then the same top 2
+            assert max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-4
+
+
+def test_a_sampled_outputs_distribution_is_unchanged(engines):
+    """3000 samples of 8 tokens each way: at each position, each token's frequency matches
+    (a difference of 0.06 is over 5 standard errors)."""
+    plain, spec = engines
+    prompt = {"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5, 6]}
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, allowed_token_ids=FEW)
+    before = guesses(spec)
+    freqs = []
+    for llm in (plain, spec):
+        tokens = np.array([o.outputs[0].token_ids for o in llm.generate([prompt] * 3000, params, use_tqdm=False)])
+        freqs.append(np.stack([(tokens == t).mean(axis=0) for t in FEW]))
+    checked, kept = np.subtract(guesses(spec), before)
+    assert kept > 1000 and checked > kept
+    assert np.abs(freqs[0] - freqs[1]).max() < 0.06, (freqs[0].round(3), freqs[1].round(3))
+
+
+def test_a_seeded_request_repeats_itself(engines):
+    _, spec = engines
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, allowed_token_ids=FEW, seed=11)
+    first = [o.outputs[0].token_ids for o in spec.generate(PROMPTS[:3], params, use_tqdm=False)]
+    again = [o.outputs[0].token_ids for o in spec.generate(PROMPTS[::-1], params, use_tqdm=False)[::-1][:3]]
+    assert first == again
+
+
+def test_a_stop_string_inside_the_kept_guesses_cuts_the_output_there(engines):
+    """Stop strings taken from the plain output's text at many places: each cuts the output (its
+    tokens and logprobs) where it cuts the plain engine's, wherever it falls among a step's kept
+    guesses."""
+    plain, spec = engines
+    params = dict(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0, allowed_token_ids=FEW)
+    text = plain.generate(PROMPTS[5], SamplingParams(**params), use_tqdm=False)[0].outputs[0].text
+    stops = sorted({text[i:i + 3] for i in range(4, len(text) - 3, 2)})
+    assert len(stops) >= 3
+    for stop in stops:
+        p = SamplingParams(**params, stop=[stop])
+        want = plain.generate(PROMPTS[5], p, use_tqdm=False)[0].outputs[0]
+        got = spec.generate(PROMPTS[5], p, use_tqdm=False)[0].outputs[0]
+        assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == \
+            (want.text, want.token_ids, "stop", stop)
+        assert len(got.logprobs) == len(got.token_ids)
+
+
+def test_the_prefix_cache_serves_blocks_written_beside_guesses(engines):
+    """A prompt that is an earlier request's prompt and output reads that output's blocks from
+    the cache (their KV written in steps that checked guesses) and continues as without them."""
+    plain, spec = engines
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, allowed_token_ids=FEW)
+    prompt = PROMPTS[3]["prompt_token_ids"]
+    first = spec.generate(PROMPTS[3], params, use_tqdm=False)[0].outputs[0].token_ids
+    longer = {"prompt_token_ids": prompt + first}
+    got = spec.generate(longer, params, use_tqdm=False)[0]
+    assert got.num_cached_tokens > len(prompt)
+    assert got.outputs[0].token_ids == plain.generate(longer, params, use_tqdm=False)[0].outputs[0].token_ids
