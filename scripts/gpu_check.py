@@ -15,7 +15,8 @@ seconds, and the decode section's engines and batch sizes stop DECODE_RESERVE se
      read per second against the copy bandwidth, at the engine's launch settings and a few
      others (warps, splits) to tune them by;
   4. greedy parity with transformers on a tiny random Llama (float32), with CUDA graphs
-     and with enforce_eager, and with every other prompt of a batch through a random LoRA
+     and with enforce_eager, with n-gram speculative decoding (its steps of guesses run
+     eagerly beside the graphs), and with every other prompt of a batch through a random LoRA
      adapter (against the model with it merged into its weights);
   5. decode throughput of a Llama-3.2-1B-shaped model (random weights, bfloat16) at
      batch 1, 8, 64, 256, graphs (first: the figures the targets need) then eager, each mode
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import Optional
 
 import torch
 
@@ -218,20 +220,22 @@ def parity(report: Report, device: torch.device, work: str, smoke: bool) -> None
                               do_sample=False, pad_token_id=0)
         expected.append(seq[0, len(p):].tolist())
     del hf
-    for eager in (False, True):
+    for eager, speculative in ((False, None), (True, None), (False, SPECULATIVE)):
+        name = "eager" if eager else "graphs" + (", speculative decoding" if speculative else "")
         try:  # a failure of the graphs engine keeps the eager check
-            outs, replays = greedy_run(model_dir, device, eager, prompts, new_tokens)
+            outs, replays, (checked, kept) = greedy_run(model_dir, device, eager, prompts, new_tokens, speculative)
         except Exception as exc:
             traceback.print_exc()
-            report.add("parity", f"tiny Llama float32, {'eager' if eager else 'graphs'}: failed",
+            report.add("parity", f"tiny Llama float32, {name}: failed",
                        f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
             continue
         finally:
             free_memory()  # greedy_run's engine is gone with its frame
         same = sum(o == e for o, e in zip(outs, expected))
-        mode = "eager" if eager else f"graphs ({replays} replays)"
+        mode = name if eager else f"{name} ({replays} replays" + (
+            f"; {kept} of {checked} guesses kept)" if speculative else ")")
         report.add("parity", f"tiny Llama float32, {mode}", f"{same}/{len(prompts)} prompts identical",
-                   "all identical", same == len(prompts))
+                   "all identical", same == len(prompts) and (not speculative or checked > 0))
 
 
 def lora_parity(report: Report, device: torch.device, work: str, smoke: bool) -> None:
@@ -272,13 +276,19 @@ def lora_parity(report: Report, device: torch.device, work: str, smoke: bool) ->
     del llm
 
 
+# n-gram speculative decoding for the parity row that checks it: steps of guesses run eagerly
+# (each request's last token and guesses as a chunk), pure decodes replay the graphs
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+
+
 def greedy_run(model_dir: str, device: torch.device, eager: bool, prompts: list[list[int]],
-               new_tokens: int) -> tuple[list[list[int]], int]:
-    """(each prompt's greedy tokens, how many decode steps replayed a graph) from a fresh engine
-    with a fixed small cache (a share of the GPU would be millions of the tiny model's blocks)."""
+               new_tokens: int, speculative: Optional[dict] = None) -> tuple[list[list[int]], int, tuple[int, int]]:
+    """(each prompt's greedy tokens, how many decode steps replayed a graph, (guesses checked,
+    kept)) from a fresh engine with a fixed small cache (a share of the GPU would be millions of
+    the tiny model's blocks)."""
     from streamserve import LLM, SamplingParams
 
-    llm = LLM(model_dir, device=str(device), dtype="float32", enforce_eager=eager,
+    llm = LLM(model_dir, device=str(device), dtype="float32", enforce_eager=eager, speculative_config=speculative,
               kernel_backend="triton", num_gpu_blocks_override=512, max_num_seqs=8)  # 4 graphs, not 35
     graphs = llm.engine_core.model_runner.graphs
     replays = []
@@ -287,7 +297,9 @@ def greedy_run(model_dir: str, device: torch.device, eager: bool, prompts: list[
         graphs.replay = lambda ids, *rest: replays.append(len(ids)) or original(ids, *rest)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs], len(replays)
+    scheduler = llm.engine_core.scheduler
+    return ([o.outputs[0].token_ids for o in outs], len(replays),
+            (scheduler.spec_num_draft_tokens, scheduler.spec_num_accepted_tokens))
 
 
 def free_memory() -> None:

@@ -86,6 +86,30 @@ def test_lora_steps_run_eagerly_beside_graph_replays(model_dirs, tmp_path):
     assert replays
 
 
+def test_steps_that_check_guesses_run_eagerly_and_keep_the_output(model_dirs):
+    """Speculative decoding on the GPU path: a step that checks guesses (a chunk of each such
+    request's last token and its guesses) runs eagerly through the Triton kernels, the pure
+    decode steps replay the graph buffers, and the greedy tokens are the torch path's without
+    guessing."""
+    from parity import parity_prompts
+    from streamserve import SamplingParams
+
+    model = model_dirs["llama"]
+    llm = triton_llm(model, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    runner = llm.engine_core.model_runner
+    runner.graphs = runner.make_decode_graphs()
+    replays = []
+    original = runner.graphs.replay
+    runner.graphs.replay = lambda ids, *rest: replays.append(len(ids)) or original(ids, *rest)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, allowed_token_ids=[5, 6, 7])
+    prompts = [{"prompt_token_ids": p} for p in parity_prompts()[:3]]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    plain = LLM(model, dtype="float32", kv_cache_memory="16MiB")
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert llm.engine_core.scheduler.spec_num_accepted_tokens > 0 and replays
+
+
 def test_the_gpu_checks_lora_row_on_the_cpu(tmp_path, monkeypatch):
     """scripts/gpu_check.py's LoRA parity row, run here through Triton's interpreter (tiny
     sizes): the batch with an adapter on every other prompt matches transformers."""
@@ -98,3 +122,18 @@ def test_the_gpu_checks_lora_row_on_the_cpu(tmp_path, monkeypatch):
     report = gpu_check.Report()
     gpu_check.lora_parity(report, torch.device("cpu"), str(tmp_path), smoke=True)
     assert [(r["value"], r["ok"]) for r in report.rows] == [("4/4 prompts identical", True)]
+
+
+def test_the_gpu_checks_parity_rows_on_the_cpu(tmp_path, monkeypatch):
+    """scripts/gpu_check.py's parity rows (the engine, eager, and with speculative decoding),
+    through Triton's interpreter at tiny sizes: each matches transformers."""
+    import importlib
+    import os
+
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
+    monkeypatch.syspath_prepend(scripts)
+    gpu_check = importlib.import_module("gpu_check")
+    report = gpu_check.Report()
+    gpu_check.parity(report, torch.device("cpu"), str(tmp_path), smoke=True)
+    assert [(r["value"], r["ok"]) for r in report.rows] == [("4/4 prompts identical", True)] * 3
+    assert "guesses kept" in report.rows[2]["item"]
