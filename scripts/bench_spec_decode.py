@@ -7,7 +7,7 @@ work prompt lookup is for; `--prompts free` asks for new text, where guesses are
 what a step of guesses costs shows.
 
     python scripts/bench_spec_decode.py [--model DIR] [--tokens 128] [--batch 1] [--rounds 3]
-        [--k 2 4] [--lookup-max 3] [--lookup-min 1] [--prompts quote|free]
+        [--k 2 4] [--lookup-max 3] [--lookup-min 1] [--prompts quote|free] [--no-pause-too]
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--lookup-max", type=int, default=3)
     parser.add_argument("--lookup-min", type=int, default=1)
     parser.add_argument("--prompts", choices=("quote", "free"), default="quote")
+    parser.add_argument("--no-pause-too", action="store_true",
+                        help="also each k with no pause in guessing after misses (Scheduler.SPEC_MAX_PAUSE_DOUBLINGS 0)")
     args = parser.parse_args()
     common = dict(kv_cache_memory="512MiB", max_model_len=2048)
     engines = {"plain": LLM(args.model, **common)}
@@ -62,6 +64,10 @@ def main() -> None:
         engines[f"k={k}"] = LLM(args.model, speculative_config={
             "method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min}, **common)
+        if args.no_pause_too:
+            engines[f"k={k}np"] = LLM(args.model, speculative_config=engines[f"k={k}"].config.scheduler.speculative_config,
+                                      **common)
+            engines[f"k={k}np"].engine_core.scheduler.SPEC_MAX_PAUSE_DOUBLINGS = 0
     prompts = QUOTE if args.prompts == "quote" else FREE
     chats = [[{"role": "user", "content": prompts[i % len(prompts)]}] for i in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.tokens)

@@ -95,7 +95,8 @@ class Request:
                  "arrival_time", "max_tokens", "all_token_ids", "output_token_ids",
                  "num_computed_tokens", "num_cached_tokens", "status", "stop_reason",
                  "block_hashes", "num_preemptions", "first_scheduled_time", "num_prompt_logprobs",
-                 "structured_state", "priority", "lora", "spec_token_ids", "token_history")
+                 "structured_state", "priority", "lora", "spec_token_ids", "token_history",
+                 "spec_misses", "spec_pause")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: Optional[int],
@@ -129,6 +130,8 @@ class Request:
         # tokens as packed integers that the n-gram lookup searches (spec_decode/)
         self.spec_token_ids: list[int] = []
         self.token_history = bytearray()
+        self.spec_misses = 0  # steps in a row whose guesses were all refused
+        self.spec_pause = 0  # steps left before it guesses again (after misses)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -17,8 +17,10 @@ its place when it could not start beside it (no seat under max_num_seqs, or too 
 blocks for its first chunk).
 
 With speculative decoding (spec_decode/), a decoding request that has guesses for its next
-tokens reads them after its last token in the same step (each counted against the budget,
-the guesses that do not fit dropped); the step samples a token at every one of those rows,
+tokens reads them after its last token in the same step. They come last: from the budget and
+the free blocks left once every running request has its token and the waiting ones have
+started (guesses that do not fit are dropped, never the cause of a preemption); the step
+samples a token at every one of those rows,
 and the request keeps the guesses up to the first its row disagrees with, plus that row's
 token: its num_computed_tokens steps back over the rest, whose KV is written over later.
 
@@ -47,6 +49,10 @@ from streamserve.spec_decode.ngram_proposer import NgramProposer
 
 
 class Scheduler:
+    # A request whose guesses all missed m steps in a row pauses its guessing for 2^(m - 1) - 1
+    # steps, m - 1 at most this (15 steps); 0: it never pauses.
+    SPEC_MAX_PAUSE_DOUBLINGS = 4
+
     def __init__(self, config: Config, num_blocks: int,
                  vocabulary: Optional[Callable[[], Vocabulary]] = None) -> None:
         # structured output's token texts and masks, built when a first request asks for them
@@ -107,7 +113,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         cached = CachedRequestData()
-        spec_tokens: dict[str, list[int]] = {}
+        guessing: list[tuple[int, Request]] = []  # (place in `cached`, running request with guesses)
         new_reqs: list[NewRequestData] = []
         preempted: list[Request] = []
         kv = self.kv_cache_manager
@@ -124,12 +130,7 @@ class Scheduler:
             request = running[i]
             num_computed = request.num_computed_tokens
             num_new = min(len(request.all_token_ids) - num_computed, budget)
-            drafts = request.spec_token_ids
-            if drafts:  # (a decode's: its gap is 1) guesses past the budget are dropped
-                request.spec_token_ids = []
-                drafts = drafts[:budget - num_new]
-                num_new += len(drafts)
-            new_blocks = kv.allocate_slots(request, num_new, None, len(drafts))
+            new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = running.pop()
                 self._preempt(victim)
@@ -137,11 +138,11 @@ class Scheduler:
                 short = True
                 if victim is request:
                     break
-                new_blocks = kv.allocate_slots(request, num_new, None, len(drafts))
+                new_blocks = kv.allocate_slots(request, num_new)
             if new_blocks is None:
                 break
-            if drafts:
-                spec_tokens[request.request_id] = drafts
+            if request.spec_token_ids:  # (a decode's: its gap is 1)
+                guessing.append((len(cached.req_ids), request))
             num_scheduled[request.request_id] = num_new
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
@@ -189,6 +190,11 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(passed_over))
 
+        # 3. Guesses (speculative decoding), from what is left of the budget and of the pool
+        # once every running request has its token and the waiting ones have started.
+        spec_tokens = self._schedule_guesses(guessing, budget, cached, num_scheduled) if guessing else {}
+        budget -= sum(map(len, spec_tokens.values()))
+
         output = SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -201,6 +207,27 @@ class Scheduler:
         )
         self.finished_req_ids = set()
         return output
+
+    def _schedule_guesses(self, guessing: list[tuple[int, Request]], budget: int, cached: CachedRequestData,
+                          num_scheduled: dict[str, int]) -> dict[str, list[int]]:
+        """Add the running requests' guesses to the step, in order, while the budget lasts and
+        the pool has blocks for them (a guess that does not fit is dropped: it never preempts
+        anyone). Returns req_id -> the guesses scheduled."""
+        kv, spec_tokens = self.kv_cache_manager, {}
+        for place, request in guessing:
+            drafts, request.spec_token_ids = request.spec_token_ids[:budget], []
+            if not drafts:
+                continue
+            new_blocks = kv.allocate_slots(request, len(drafts), None, len(drafts))
+            if new_blocks is None:
+                continue
+            if new_blocks:
+                cached.new_block_ids[place] = cached.new_block_ids[place] + [b.block_id for b in new_blocks]
+            num_scheduled[request.request_id] += len(drafts)
+            request.num_computed_tokens += len(drafts)
+            spec_tokens[request.request_id] = drafts
+            budget -= len(drafts)
+        return spec_tokens
 
     def vocabulary(self) -> Vocabulary:
         """Structured output's token texts and masks, built for the first request that asks."""
@@ -280,6 +307,7 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None:  # aborted while the step ran
                 continue
+            num_accepted = len(tokens) - 1  # (the guesses its rows agreed with, before a stop cuts them)
             if len(tokens) == 1:
                 token = tokens[0]
                 request.append_output_token(token)
@@ -290,7 +318,7 @@ class Scheduler:
                 tokens, finished = self._append_tokens(request, tokens)
             drafts = spec_tokens.get(req_id) if spec_tokens else None
             if drafts is not None:
-                self._count_accepted(len(drafts), len(tokens) - 1)
+                self._count_accepted(request, len(drafts), num_accepted)
                 # the rows after the last guess kept hold KV of guesses that were wrong
                 request.num_computed_tokens -= len(drafts) + 1 - len(tokens)
             if self.proposer is not None and not finished:
@@ -325,7 +353,16 @@ class Scheduler:
                 return tokens[:n], True
         return tokens, False
 
-    def _count_accepted(self, num_drafts: int, num_accepted: int) -> None:
+    def _count_accepted(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Count a step's check of a request's guesses. Where it kept none for the second time
+        in a row, the request pauses its guessing for 1 step, then (more misses in a row) 3, 7
+        and 15: a step of guesses costs more than a step of one token, and text that does not
+        repeat itself keeps missing."""
+        if num_accepted:
+            request.spec_misses = 0
+        else:
+            request.spec_misses += 1
+            request.spec_pause = (1 << min(request.spec_misses - 1, self.SPEC_MAX_PAUSE_DOUBLINGS)) - 1
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += num_drafts
         self.spec_num_accepted_tokens += num_accepted
@@ -338,6 +375,9 @@ class Scheduler:
         num_speculative_tokens, and one fewer than the tokens it may still emit. A request
         under structured output, or below its min_tokens, guesses none: what it may sample
         at a row depends on the guesses before it in ways the sampler's rows do not see."""
+        if request.spec_pause:
+            request.spec_pause -= 1
+            return
         params = request.sampling_params
         room = request.max_tokens - len(request.output_token_ids) - 1
         if (room < 1 or request.structured_state is not None or params.embed

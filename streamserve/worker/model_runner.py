@@ -216,7 +216,7 @@ class ModelRunner:
         self.num_lora_requests = 0  # of those, with a LoRA adapter (their steps group their rows by it)
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
                                       -(-config.model.max_model_len // self.block_size))
-        # Seeded generators outlive preemption, so a resumed request keeps its stream.
+        # A seeded request's generator, seeded afresh for each token it samples (sampler.py).
         self.generators: dict[str, torch.Generator] = {}
 
     def _keep_quantized(self, model_dir: str) -> None:
@@ -279,7 +279,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_peak_bytes(self) -> int:
         """Run the largest step the scheduler may send (max_num_batched_tokens prompt tokens in
-        sequences of at most max_model_len, then logits and sampling for max_num_seqs rows)
+        sequences of at most max_model_len, then logits and sampling for max_num_seqs rows, and
+        their guesses' rows with speculative decoding)
         against a scratch KV cache; return the memory it took at its peak."""
         sched, bs = self.config.scheduler, self.block_size
         tokens, max_len = sched.max_num_batched_tokens, self.config.model.max_model_len
@@ -300,7 +301,9 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         hidden = self.model(ids, self.to_device(positions), self._attention(meta, scratch))
-        rows = min(sched.max_num_seqs, tokens)
+        # a row per sequence, or with speculative decoding one per guess too
+        guesses = 0 if sched.speculative is None else sched.speculative.num_speculative_tokens
+        rows = min(sched.max_num_seqs * (1 + guesses), tokens)
         logits = self.model.compute_logits(hidden[:rows])
         torch.softmax(logits.float(), -1).argmax(-1)
         torch.cuda.synchronize(self.device)
@@ -609,10 +612,10 @@ class ModelRunner:
 
 def _draft_rows(state: RequestState, drafts: list[int]) -> list:
     """The sampler's rows for a request checking guesses: the request itself at every row,
-    unless its penalties or bad words read its tokens (then each row after the first sees the
-    guesses before it as sampled)."""
+    unless its penalties or bad words read its tokens, or its seed draws by position (then each
+    row after the first sees the guesses before it as sampled)."""
     params = state.params
-    if params.has_penalties or params.bad_words_token_ids:
+    if params.has_penalties or params.bad_words_token_ids or params.seed is not None:
         return [state] + [DraftRow(state, drafts[:j]) for j in range(1, len(drafts) + 1)]
     return [state] * (len(drafts) + 1)
 

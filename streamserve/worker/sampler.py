@@ -4,7 +4,9 @@ Order of operations (as in vLLM's V1 engine): raw logprobs for reporting -> min_
 suppression -> logit bias -> penalties -> greedy argmax, or temperature -> min-p -> top-k
 -> top-p -> a draw. The draw is argmax(probs / q) with q ~ Exp(1) per vocabulary entry,
 which samples from `probs` without a device sync; a request with a seed draws its q from
-its own generator, so its tokens do not depend on the batch.
+its own generator, seeded afresh for each token from (its seed, the token's position): its
+tokens depend on neither the batch, a preemption, nor how many rows a step gave it
+(speculative decoding's guesses), only on its logits.
 
 The per-row settings and token lists reach the device through `stage` (the runner's
 HostStaging: pinned, non-blocking on a GPU), so the only sync in a step is reading the
@@ -107,7 +109,7 @@ class Sampler:
         q = torch.empty_like(probs)
         for i, r in enumerate(rows):
             if r.generator is not None:
-                q[i].exponential_(generator=r.generator)
+                q[i].exponential_(generator=_seeded(r))
         if any(r.generator is None for r in rows):
             unseeded = self.column([r.generator is None for r in rows], np.bool_)
             q = torch.where(unseeded, torch.empty_like(probs).exponential_(generator=self.generator), q)
@@ -126,7 +128,7 @@ class Sampler:
             u[unseeded] = torch.rand(len(unseeded), generator=self.generator).numpy()
         for i in sampled:
             if rows[i].generator is not None:
-                u[i] = torch.rand(1, generator=rows[i].generator).item()
+                u[i] = torch.rand(1, generator=_seeded(rows[i])).item()
         params = [r.params for r in rows]
         vocab = logits.shape[1]  # a top_k past it (2^70: the API has no bound) keeps it all, as 0 does
         return self.kernels.sample(
@@ -259,6 +261,20 @@ def _entries(chosen: list[float], ranks: list[int], top_ids: Optional[list[list[
     return [None if n is None else TokenLogprobs(chosen[i], ranks[i], top_ids[i][:n] if n else [],
                                                  top_vals[i][:n] if n else [])
             for i, n in enumerate(counts)]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _seeded(r: SamplingRow) -> torch.Generator:
+    """A seeded row's generator, seeded for the position it samples (its token count): splitmix64
+    of the request's seed and that position, so that the draw for a request's t-th token is the
+    same whatever came before it in other rows and steps."""
+    z = (r.params.seed * 0x9E3779B97F4A7C15 + len(r.token_ids)) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    r.generator.manual_seed(z ^ (z >> 31))
+    return r.generator
 
 
 def _banned(r: SamplingRow) -> set[int]:

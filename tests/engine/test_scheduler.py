@@ -309,3 +309,45 @@ def test_no_block_is_cached_on_the_strength_of_a_guess(llama_dir):
     assert kv.num_cached_blocks["A"] == 1
     real = tuple(prompt + [1, 9])
     assert kv.block_pool.get_cached_block(hash_block_tokens(None, real)) is kv.req_to_blocks["A"][0]
+
+
+def test_guesses_come_after_every_running_token_and_every_start(llama_dir):
+    """Guesses take only what is left of the budget once every running request has its token
+    and the waiting ones have started: they never starve anyone."""
+    sched = make_scheduler(llama_dir, speculative_config=SPEC, max_num_batched_tokens=9)
+    sched.add_request(guessing_request("A"))
+    sched.add_request(make_request("B", 3, 20))
+    step_with(sched, {"A": [3], "B": [9]})
+    assert sched.requests["A"].spec_token_ids == [4, 1, 2]
+    sched.add_request(make_request("C", 5, 20))
+    out, _ = step_with(sched, {"A": [4, 1], "B": [9], "C": [9]})
+    # A's and B's tokens (2), C's prompt (5): 2 of the 9 are left, for A's first two guesses
+    assert out.num_scheduled_tokens == {"A": 3, "B": 1, "C": 5}
+    assert out.scheduled_spec_decode_tokens == {"A": [4, 1]}
+
+
+def test_guesses_that_do_not_fit_the_pool_are_dropped_not_preempting(llama_dir):
+    """A's next token fits the one block of the pool, its guesses would need a second: the
+    guesses go, and A is not preempted for them."""
+    sched = make_scheduler(llama_dir, speculative_config=SPEC, num_blocks=1, block_size=8)
+    sched.add_request(guessing_request())
+    step_with(sched, {"A": [3]})
+    assert sched.requests["A"].spec_token_ids == [4, 1, 2]  # positions 7-9: 8 and 9 in a second block
+    out, _ = step_with(sched, {"A": [4]})
+    assert out.num_scheduled_tokens == {"A": 1} and not out.preempted_req_ids
+    assert out.scheduled_spec_decode_tokens == {} and sched.num_preemptions == 0
+
+
+def test_misses_in_a_row_pause_the_guessing(llama_dir):
+    sched = make_scheduler(llama_dir, speculative_config=SPEC)
+    sched.add_request(guessing_request(max_tokens=60))
+    request = sched.requests["A"]
+    sched.proposer.propose = lambda tokens, history, k: [1, 2]  # it would guess at every step
+    guessed = []
+    step_with(sched, {"A": [3]})
+    for _ in range(24):  # every guess misses: the rows sample 8
+        out, _ = step_with(sched, {"A": [8]})
+        guessed.append(bool(out.scheduled_spec_decode_tokens))
+    # a miss; another, then 1 step without; another, 3 without; 7; 15 (at most)
+    assert guessed == [True, True, False, True, False, False, False, True] + [False] * 7 + [True] + [False] * 8
+    assert request.spec_misses == 5

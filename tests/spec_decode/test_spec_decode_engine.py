@@ -19,8 +19,11 @@ FEW = [5, 6, 7]
 
 @pytest.fixture(scope="module")
 def engines(llama_dir):
-    make = lambda **kw: LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB", max_num_seqs=256, **kw)  # noqa: E731
-    return make(), make(speculative_config=SPEC)
+    make = lambda **kw: LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB", max_num_seqs=256,  # noqa: E731
+                            max_num_batched_tokens=4096, **kw)
+    spec = make(speculative_config=SPEC)
+    spec.engine_core.scheduler.SPEC_MAX_PAUSE_DOUBLINGS = 0  # no pause after misses: every guess is checked
+    return make(), spec
 
 
 def guesses(llm: LLM) -> tuple[int, int]:
@@ -76,12 +79,20 @@ def test_a_sampled_outputs_distribution_is_unchanged(engines):
     assert np.abs(freqs[0] - freqs[1]).max() < 0.06, (freqs[0].round(3), freqs[1].round(3))
 
 
-def test_a_seeded_request_repeats_itself(engines):
-    _, spec = engines
-    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, allowed_token_ids=FEW, seed=11)
-    first = [o.outputs[0].token_ids for o in spec.generate(PROMPTS[:3], params, use_tqdm=False)]
-    again = [o.outputs[0].token_ids for o in spec.generate(PROMPTS[::-1], params, use_tqdm=False)[::-1][:3]]
-    assert first == again
+def test_a_seeded_request_samples_what_it_would_without_guessing(engines, llama_dir):
+    """A seed draws each token by its position, so a seeded request's tokens are its tokens
+    without guessing, whatever its steps' guesses and neighbours: here also beside unseeded
+    requests in steps of 8 tokens, which cut its guesses short."""
+    plain, spec = engines
+    seeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, allowed_token_ids=FEW, seed=11)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], seeded, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS[:3], seeded, use_tqdm=False)] == want
+    tight = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=8, speculative_config=SPEC)
+    unseeded = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, allowed_token_ids=FEW)
+    outputs = tight.generate(PROMPTS[:6], [seeded, unseeded] * 3, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs[::2]] == want[:1] + [
+        o.outputs[0].token_ids for o in plain.generate(PROMPTS[2:6:2], seeded, use_tqdm=False)]
+    assert guesses(tight)[1] > 0
 
 
 def test_a_stop_string_inside_the_kept_guesses_cuts_the_output_there(engines):

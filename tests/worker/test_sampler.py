@@ -217,6 +217,8 @@ def _target_tokens(seed: int, layout: str, steps: int = 12, sampler_seed: int = 
         logits = torch.randn(len(rows), 300, generator=g) * 2
         logits[layout.index("T")] = TARGET_LOGITS
         tokens, _ = sampler(logits, rows)
+        for row, token in zip(rows, tokens):  # as the runner appends them (a seed draws by position)
+            row.token_ids.append(token)
         result.append(tokens[layout.index("T")])
     return result
 
@@ -245,6 +247,8 @@ def test_seeded_rows_with_the_same_seed_draw_the_same_tokens_in_one_batch():
         tokens, _ = sampler(logits, rows)
         seeded = tokens[:2] + tokens[3:]
         assert len(set(seeded)) == 1
+        for row, token in zip(rows, tokens):
+            row.token_ids.append(token)
 
 
 # -- penalties --------------------------------------------------------------------------
