@@ -4,10 +4,11 @@ and whether the outputs match.
 
 The default prompts ask the default model to rewrite text it is given (a code edit, a copy), the
 work prompt lookup is for; `--prompts free` asks for new text, where guesses are seldom right and
-what a step of guesses costs shows.
+what a step of guesses costs shows; `--prompts extract` asks for JSON under a schema (structured output)
+quoting the text it is given.
 
     python scripts/bench_spec_decode.py [--model DIR] [--tokens 128] [--batch 1] [--rounds 3]
-        [--k 2 4] [--lookup-max 3] [--lookup-min 1] [--prompts quote|free] [--no-pause-too]
+        [--k 2 4] [--lookup-max 3] [--lookup-min 1] [--prompts quote|free|extract] [--no-pause-too]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import statistics
 import time
 
 from streamserve import LLM, SamplingParams
+from streamserve.sampling_params import StructuredOutputsParams
 
 CODE = '''def mean(values):
     total = 0
@@ -41,6 +43,13 @@ QUOTE = [f"Rename the function `mean` to `average` everywhere in this code, and 
          f"Copy this paragraph exactly, word for word:\n\n{TEXT}",
          f"Add a docstring to each function of this code and output the whole code:\n\n{CODE}",
          f"Repeat the following text twice:\n\n{TEXT}"]
+# Extraction under a JSON schema (structured output): the values are the text's own words.
+EXTRACT = [f"Extract from this text, as JSON, what it says of the river, the seasons and the bridge, quoting "
+           f"its words:\n\n{TEXT}",
+           f"Extract from this code, as JSON, each function's name and its whole source:\n\n{CODE}"]
+EXTRACT_SCHEMA = {"type": "object", "properties": {"facts": {"type": "array", "items": {
+    "type": "object", "properties": {"subject": {"type": "string"}, "quote": {"type": "string"}},
+    "required": ["subject", "quote"]}, "maxItems": 4}}, "required": ["facts"]}
 FREE = ["Write a short story about a lighthouse keeper.", "Explain how a refrigerator works.",
         "List ten ideas for a birthday party.", "Describe the water cycle."]
 
@@ -54,7 +63,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4], help="num_speculative_tokens to try")
     parser.add_argument("--lookup-max", type=int, default=3)
     parser.add_argument("--lookup-min", type=int, default=1)
-    parser.add_argument("--prompts", choices=("quote", "free"), default="quote")
+    parser.add_argument("--prompts", choices=("quote", "free", "extract"), default="quote",
+                        help="extract: under a JSON schema (structured output)")
     parser.add_argument("--no-pause-too", action="store_true",
                         help="also each k with no pause in guessing after misses (Scheduler.SPEC_MAX_PAUSE_DOUBLINGS 0)")
     args = parser.parse_args()
@@ -68,9 +78,10 @@ def main() -> None:
             engines[f"k={k}np"] = LLM(args.model, speculative_config=engines[f"k={k}"].config.scheduler.speculative_config,
                                       **common)
             engines[f"k={k}np"].engine_core.scheduler.SPEC_MAX_PAUSE_DOUBLINGS = 0
-    prompts = QUOTE if args.prompts == "quote" else FREE
+    prompts = {"quote": QUOTE, "free": FREE, "extract": EXTRACT}[args.prompts]
     chats = [[{"role": "user", "content": prompts[i % len(prompts)]}] for i in range(args.batch)]
-    params = SamplingParams(temperature=0, max_tokens=args.tokens)
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, structured_outputs=StructuredOutputsParams(
+        json=EXTRACT_SCHEMA) if args.prompts == "extract" else None)
     seconds: dict[str, list[float]] = {name: [] for name in engines}
     texts, tokens = {}, {}
     for name, llm in engines.items():  # warm up

@@ -202,7 +202,7 @@ class Scheduler:
             total_num_scheduled_tokens=self.max_num_batched_tokens - budget,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=[r.request_id for r in preempted],
-            allowed_token_masks=self._allowed_token_masks(num_scheduled),
+            allowed_token_masks=self._allowed_token_masks(num_scheduled, spec_tokens),
             scheduled_spec_decode_tokens=spec_tokens,
         )
         self.finished_req_ids = set()
@@ -239,17 +239,26 @@ class Scheduler:
                     self._vocabulary = self.make_vocabulary()
         return self._vocabulary
 
-    def _allowed_token_masks(self, num_scheduled: dict[str, int]) -> dict[str, np.ndarray]:
-        """The structured-output requests that sample this step (their gap closes): what each may sample."""
+    def _allowed_token_masks(self, num_scheduled: dict[str, int],
+                             spec_tokens: dict[str, list[int]]) -> dict[str, np.ndarray]:
+        """The structured-output requests that sample this step (their gap closes): what each may
+        sample; for one that checks guesses, a [1 + guesses, vocab] mask, a row for each of its
+        rows (the states after the guesses before it)."""
         masks: dict[str, np.ndarray] = {}
         vocabulary = self._vocabulary
         if vocabulary is None:  # no structured request yet: no per-step loop
             return masks
         for req_id in num_scheduled:
             request = self.requests[req_id]
-            if request.structured_state is not None and request.num_computed_tokens == request.num_tokens:
-                masks[req_id] = vocabulary.allowed(request.structured_state, request.eos_token_id,
-                                                   request.sampling_params.stop_token_set)
+            if request.structured_state is None:
+                continue
+            eos, stops = request.eos_token_id, request.sampling_params.stop_token_set
+            drafts = spec_tokens.get(req_id)
+            if drafts:
+                states = [request.structured_state, *request.spec_states[:len(drafts)]]
+                masks[req_id] = np.stack([vocabulary.allowed(state, eos, stops) for state in states])
+            elif request.num_computed_tokens == request.num_tokens:
+                masks[req_id] = vocabulary.allowed(request.structured_state, eos, stops)
         return masks
 
     def _make_room(self, preempted: list[Request], budget: int) -> None:
@@ -315,7 +324,7 @@ class Scheduler:
                     request.structured_state = self.vocabulary().after(request.structured_state, token)
                 finished = request.check_stop()
             else:
-                tokens, finished = self._append_tokens(request, tokens)
+                tokens, finished = self._append_tokens(request, tokens, self._vocabulary)
             drafts = spec_tokens.get(req_id) if spec_tokens else None
             if drafts is not None:
                 self._count_accepted(request, len(drafts), num_accepted)
@@ -344,11 +353,14 @@ class Scheduler:
         return outputs
 
     @staticmethod
-    def _append_tokens(request: Request, tokens: list[int]) -> tuple[list[int], bool]:
+    def _append_tokens(request: Request, tokens: list[int], vocabulary: Optional[Vocabulary]
+                       ) -> tuple[list[int], bool]:
         """Append several tokens (a step that checked guesses), up to one that ends the request:
-        (the tokens appended, whether it finished). (No structured-output request guesses.)"""
+        (the tokens appended, whether it finished)."""
         for n, token in enumerate(tokens, 1):
             request.append_output_token(token)
+            if request.structured_state is not None:
+                request.structured_state = vocabulary.after(request.structured_state, token)
             if request.check_stop():
                 return tokens[:n], True
         return tokens, False
@@ -373,18 +385,40 @@ class Scheduler:
     def _propose(self, request: Request) -> None:
         """Guess the request's next tokens for the next step to check (spec_decode/): at most
         num_speculative_tokens, and one fewer than the tokens it may still emit. A request
-        under structured output, or below its min_tokens, guesses none: what it may sample
-        at a row depends on the guesses before it in ways the sampler's rows do not see."""
+        below its min_tokens guesses none (its bans of EOS count the tokens before each row);
+        one under structured output only what its structure allows."""
         if request.spec_pause:
             request.spec_pause -= 1
             return
         params = request.sampling_params
         room = request.max_tokens - len(request.output_token_ids) - 1
-        if (room < 1 or request.structured_state is not None or params.embed
-                or len(request.output_token_ids) < params.min_tokens):
+        if room < 1 or params.embed or len(request.output_token_ids) < params.min_tokens:
             return
-        request.spec_token_ids = self.proposer.propose(
-            request.all_token_ids, request.token_history, min(room, self.proposer.num_speculative_tokens))
+        drafts = self.proposer.propose(request.all_token_ids, request.token_history,
+                                       min(room, self.proposer.num_speculative_tokens))
+        if drafts and request.structured_state is not None:
+            drafts = self._structured_guesses(request, drafts)
+        request.spec_token_ids = drafts
+
+    def _structured_guesses(self, request: Request, drafts: list[int]) -> list[int]:
+        """A structured-output request's guesses up to the first its structure does not allow
+        there (no row could sample it), and its states after each (for the rows' masks). An EOS
+        or stop token allowed ends them."""
+        vocabulary, state = self.vocabulary(), request.structured_state
+        eos, stops = request.eos_token_id, request.sampling_params.stop_token_set
+        states = []
+        for n, token in enumerate(drafts):
+            if not vocabulary.allowed(state, eos, stops)[token]:
+                drafts = drafts[:n]
+                break
+            if token == eos or token in stops:  # (the row after it, if kept, samples nothing kept)
+                states.append(state)
+                drafts = drafts[:n + 1]
+                break
+            state = vocabulary.after(state, token)
+            states.append(state)
+        request.spec_states = states
+        return drafts
 
     def _new_prompt_logprobs(self, computed: dict[str, tuple[int, list]]) -> dict[str, list]:
         """The prompt logprobs not reported yet (a preempted request computes some again)."""

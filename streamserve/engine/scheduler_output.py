@@ -57,7 +57,8 @@ class SchedulerOutput:
     # Requests the runner must forget before this step (finished, aborted, preempted).
     finished_req_ids: set[str]
     preempted_req_ids: list[str]
-    # structured output: req_id -> [vocab] bool mask of the tokens it may sample this step (read-only)
+    # structured output: req_id -> [vocab] bool mask of the tokens it may sample this step
+    # (read-only); [1 + guesses, vocab] for a request checking guesses, a mask for each row
     allowed_token_masks: dict[str, np.ndarray] = field(default_factory=dict)
     # speculative decoding: req_id -> the guessed tokens it reads after its last one (its
     # num_scheduled_tokens counts them); each row samples, and the guesses up to the first

@@ -354,8 +354,7 @@ class ModelRunner:
             embeddings = self._embeddings(rows, samplers) if self.num_embedding_requests else None
             logits = self.model.compute_logits(rows, self._reads_copies(len(logits_indices)))
             masks = so.allowed_token_masks
-            tokens, logprobs = self.sampler(logits, samplers, [masks.get(s.req_id) for s in samplers]
-                                            if masks else None)
+            tokens, logprobs = self.sampler(logits, samplers, _row_masks(samplers, masks) if masks else None)
         if so.scheduled_spec_decode_tokens:
             output = self._kept_guesses(samplers, tokens, logprobs, so.scheduled_spec_decode_tokens)
             output.prompt_logprobs, output.embeddings = prompt_logprobs, embeddings
@@ -608,6 +607,21 @@ class ModelRunner:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible, float("-inf"))
         return mask.view(len(seq_lens), 1, 1, -1)
+
+
+def _row_masks(rows: list, masks: dict[str, np.ndarray]) -> list[Optional[np.ndarray]]:
+    """Each sampler row's structured-output mask: its request's, or where the request checks
+    guesses (a [rows, vocab] mask) the one for its place among them."""
+    taken: dict[str, int] = {}
+    out = []
+    for row in rows:
+        mask = masks.get(row.req_id)
+        if mask is not None and mask.ndim == 2:
+            j = taken.get(row.req_id, 0)
+            taken[row.req_id] = j + 1
+            mask = mask[j]
+        out.append(mask)
+    return out
 
 
 def _draft_rows(state: RequestState, drafts: list[int]) -> list:

@@ -271,9 +271,8 @@ def test_a_stop_among_the_kept_tokens_ends_the_request_there(llama_dir):
     assert not sched.has_unfinished_requests() and sched.kv_cache_manager.num_free_blocks == 64
 
 
-def test_requests_whose_rows_depend_on_the_guesses_guess_nothing(llama_dir):
-    """Structured output is held by masks the scheduler builds for one row; min_tokens bans
-    EOS by the count of tokens before the row."""
+def test_a_request_short_of_its_min_tokens_guesses_nothing(llama_dir):
+    """min_tokens bans EOS by the count of tokens before the row, which guesses would change."""
     sched = make_scheduler(llama_dir, speculative_config=SPEC)
     sched.add_request(guessing_request(min_tokens=3))
     step_with(sched, {"A": [3]})

@@ -63,6 +63,30 @@ def test_greedy_outputs_match_without_speculation(engines, extra):
             assert max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-4
 
 
+@pytest.mark.parametrize("structure", [
+    {"regex": "(abc )+"},
+    {"json": {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["abc", "xyz"]},
+                                                        "maxItems": 8}}, "required": ["tags"]}},
+    {"choice": ["abc abc abc", "xyz"]},
+], ids=["regex", "json", "choice"])
+def test_structured_outputs_guess_only_what_their_structure_allows(engines, structure, caplog):
+    """A structured request's guesses stop at the first its structure does not allow (the
+    prompts hold "abc" followed by what the structure refuses), each row is masked by the states
+    after the guesses before it, and the tokens are those without guessing."""
+    from streamserve.sampling_params import StructuredOutputsParams
+
+    plain, spec = engines
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=0,
+                            structured_outputs=StructuredOutputsParams(**structure))
+    prompts = ["abc xyz abc abc", '{"tags": ["abc", "abc", "qq"]}', "abc abc abc"]
+    before = guesses(spec)
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert guesses(spec)[1] > before[1]
+    assert "cannot follow" not in caplog.text  # no guess was walked past what its structure allows
+
+
 def test_a_sampled_outputs_distribution_is_unchanged(engines):
     """3000 samples of 8 tokens each way: at each position, each token's frequency matches
     (a difference of 0.06 is over 5 standard errors)."""
