@@ -143,6 +143,18 @@ class KVCacheManager:
             self.block_pool.cache_full_block(req_blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> Optional[int]:
+        """Give back the request's blocks past those its first num_tokens tokens fill (taken for
+        guesses that were refused: never full of its tokens, so never cached). Returns how many
+        blocks it keeps, or None if it had none to give back."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return None
+        self.block_pool.free_blocks(reversed(blocks[keep:]))
+        del blocks[keep:]
+        return keep
+
     def free(self, request: Request) -> None:
         """Return the request's blocks, last block first (evicted first)."""
         blocks = self.req_to_blocks.pop(request.request_id, None)

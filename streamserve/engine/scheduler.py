@@ -19,8 +19,9 @@ blocks for its first chunk).
 With speculative decoding (spec_decode/), a decoding request that has guesses for its next
 tokens reads them after its last token in the same step. They come last: from the budget and
 the free blocks left once every running request has its token and the waiting ones have
-started (guesses that do not fit are dropped, never the cause of a preemption); the step
-samples a token at every one of those rows,
+started, and none in a step that had to preempt (guesses that do not fit are dropped; the
+blocks taken for guesses that are refused go back as soon as the step is over, so guesses
+never cause a preemption); the step samples a token at every one of those rows,
 and the request keeps the guesses up to the first its row disagrees with, plus that row's
 token: its num_computed_tokens steps back over the rest, whose KV is written over later.
 
@@ -70,6 +71,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        self.trimmed_block_counts: dict[str, int] = {}  # for the runner at the next step
         self.num_preemptions = 0
         speculative = config.scheduler.speculative
         self.proposer = None if speculative is None else NgramProposer(speculative)
@@ -191,8 +193,10 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed_over))
 
         # 3. Guesses (speculative decoding), from what is left of the budget and of the pool
-        # once every running request has its token and the waiting ones have started.
-        spec_tokens = self._schedule_guesses(guessing, budget, cached, num_scheduled) if guessing else {}
+        # once every running request has its token and the waiting ones have started; none
+        # where the running ones ran the pool dry (its blocks are for the preempted to return).
+        spec_tokens = self._schedule_guesses(guessing, 0 if short else budget, cached,
+                                             num_scheduled) if guessing else {}
         budget -= sum(map(len, spec_tokens.values()))
 
         output = SchedulerOutput(
@@ -204,15 +208,19 @@ class Scheduler:
             preempted_req_ids=[r.request_id for r in preempted],
             allowed_token_masks=self._allowed_token_masks(num_scheduled, spec_tokens),
             scheduled_spec_decode_tokens=spec_tokens,
+            trimmed_block_counts=self.trimmed_block_counts,
         )
         self.finished_req_ids = set()
+        if self.trimmed_block_counts:
+            self.trimmed_block_counts = {}
         return output
 
     def _schedule_guesses(self, guessing: list[tuple[int, Request]], budget: int, cached: CachedRequestData,
                           num_scheduled: dict[str, int]) -> dict[str, list[int]]:
         """Add the running requests' guesses to the step, in order, while the budget lasts and
         the pool has blocks for them (a guess that does not fit is dropped: it never preempts
-        anyone). Returns req_id -> the guesses scheduled."""
+        anyone; the blocks of those refused go back after the step). Every one's guesses are
+        used up. Returns req_id -> the guesses scheduled."""
         kv, spec_tokens = self.kv_cache_manager, {}
         for place, request in guessing:
             drafts, request.spec_token_ids = request.spec_token_ids[:budget], []
@@ -328,8 +336,15 @@ class Scheduler:
             drafts = spec_tokens.get(req_id) if spec_tokens else None
             if drafts is not None:
                 self._count_accepted(request, len(drafts), num_accepted)
-                # the rows after the last guess kept hold KV of guesses that were wrong
-                request.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+                # the rows after the last guess kept hold KV of guesses that were wrong; the
+                # blocks only those took go back to the pool (they must not wait for the next
+                # guesses and leave others short)
+                refused = len(drafts) + 1 - len(tokens)
+                if refused and not finished:
+                    request.num_computed_tokens -= refused
+                    kept = self.kv_cache_manager.trim(request, request.num_tokens)
+                    if kept is not None:
+                        self.trimmed_block_counts[req_id] = kept
             if self.proposer is not None and not finished:
                 self._propose(request)
             queue_time = None
@@ -387,6 +402,7 @@ class Scheduler:
         num_speculative_tokens, and one fewer than the tokens it may still emit. A request
         below its min_tokens guesses none (its bans of EOS count the tokens before each row);
         one under structured output only what its structure allows."""
+        request.spec_token_ids = []
         if request.spec_pause:
             request.spec_pause -= 1
             return

@@ -64,6 +64,9 @@ class SchedulerOutput:
     # num_scheduled_tokens counts them); each row samples, and the guesses up to the first
     # that differs from its row's token are kept
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> how many of its blocks it keeps: the scheduler took back the rest (taken for
+    # guesses refused since the last step), before this step's new_block_ids
+    trimmed_block_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

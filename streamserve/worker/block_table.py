@@ -1,7 +1,8 @@
 """BlockTable: every running request's KV block IDs, one row each, kept between steps.
 
 A request takes a row when the runner first sees it and gives it back when it finishes or
-is preempted; a step only appends the blocks the scheduler added. The step's block
+is preempted; a step only appends the blocks the scheduler added (after cutting off those
+it took back from guesses that were refused). The step's block
 tables and slots then come out of numpy indexing over these rows instead of a Python
 loop over every request's list each step. Entries past a row's blocks are 0.
 """
@@ -32,6 +33,11 @@ class BlockTable:
         n = self.num_blocks[row]
         self.table[row, n:n + len(block_ids)] = block_ids
         self.num_blocks[row] = n + len(block_ids)
+
+    def truncate(self, row: int, num_blocks: int) -> None:
+        """Keep the row's first num_blocks blocks (the scheduler took the rest back)."""
+        self.table[row, num_blocks:self.num_blocks[row]] = 0
+        self.num_blocks[row] = num_blocks
 
     def remove(self, row: int) -> None:
         self.table[row, :self.num_blocks[row]] = 0

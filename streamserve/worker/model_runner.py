@@ -432,6 +432,10 @@ class ModelRunner:
         self.forget(so.finished_req_ids)
         for req_id in so.preempted_req_ids:
             self._forget(req_id)
+        for req_id, num_blocks in so.trimmed_block_counts.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                self.block_table.truncate(state.row, num_blocks)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = RequestState(new, self._generator(new.req_id, new.sampling_params.seed),
                                                      self.block_table.add(new.block_ids))

@@ -350,3 +350,18 @@ def test_misses_in_a_row_pause_the_guessing(llama_dir):
     # a miss; another, then 1 step without; another, 3 without; 7; 15 (at most)
     assert guessed == [True, True, False, True, False, False, False, True] + [False] * 7 + [True] + [False] * 8
     assert request.spec_misses == 5
+
+
+def test_blocks_taken_for_refused_guesses_go_back_at_once(llama_dir):
+    """A's guesses take a block they then do not fill: it goes back after the step (the runner
+    told to cut its row there), so that B's next token finds it and nobody is preempted."""
+    sched = make_scheduler(llama_dir, speculative_config=SPEC, num_blocks=4, block_size=4)
+    sched.add_request(guessing_request("A"))
+    sched.add_request(make_request("B", 3, 20, start=50))
+    step_with(sched, {"A": [3], "B": [9]})  # A: 7 tokens in 2 blocks, B: 4 in 1
+    kv = sched.kv_cache_manager
+    out, _ = step_with(sched, {"A": [8], "B": [9]})  # A's guesses 4 1 2 (positions 7-9) all refused
+    assert out.scheduled_spec_decode_tokens == {"A": [4, 1, 2]}
+    assert len(kv.req_to_blocks["A"]) == 2 and kv.num_free_blocks == 1  # its third block is back
+    out, _ = step_with(sched, {"A": [5], "B": [9]})  # B's 6th token needs a second block
+    assert out.trimmed_block_counts == {"A": 2} and not out.preempted_req_ids and sched.num_preemptions == 0

@@ -148,3 +148,17 @@ def test_the_prefix_cache_serves_blocks_written_beside_guesses(engines):
     got = spec.generate(longer, params, use_tqdm=False)[0]
     assert got.num_cached_tokens > len(prompt)
     assert got.outputs[0].token_ids == plain.generate(longer, params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_small_pool_preempts_and_the_tokens_hold(llama_dir):
+    """Nine requests in a pool of 16 blocks: they preempt one another, guesses take blocks and
+    give back those of the guesses refused (the runner's block table cut to match), and every
+    request's tokens are those without guessing."""
+    make = lambda **kw: LLM(llama_dir, dtype="float32", num_gpu_blocks_override=16, max_model_len=256, **kw)  # noqa: E731
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, allowed_token_ids=FEW)
+    plain, spec = make(), make(speculative_config=SPEC)
+    want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params, use_tqdm=False)] == want
+    scheduler = spec.engine_core.scheduler
+    assert scheduler.num_preemptions > 0 and 0 < guesses(spec)[1] < guesses(spec)[0]
+    assert scheduler.kv_cache_manager.num_free_blocks == 16
