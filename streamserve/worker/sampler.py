@@ -267,13 +267,15 @@ _MASK64 = (1 << 64) - 1
 
 
 def _seeded(r: SamplingRow) -> torch.Generator:
-    """A seeded row's generator, seeded for the position it samples (its token count): splitmix64
-    of the request's seed and that position, so that the draw for a request's t-th token is the
-    same whatever came before it in other rows and steps."""
+    """A seeded row's generator, seeded for the position it samples (its token count): splitmix64's
+    finalizer over the request's seed and that position, so that the draw for a request's t-th
+    token is the same whatever came before it in other rows and steps. (Its high half is folded
+    into the low one: the CPU's Mersenne Twister reads 32 bits of a seed.)"""
     z = (r.params.seed * 0x9E3779B97F4A7C15 + len(r.token_ids)) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    r.generator.manual_seed(z ^ (z >> 31))
+    z ^= z >> 31
+    r.generator.manual_seed(z ^ (z >> 32))
     return r.generator
 
 
