@@ -399,16 +399,15 @@ class Scheduler:
 
     def _propose(self, request: Request) -> None:
         """Guess the request's next tokens for the next step to check (spec_decode/): at most
-        num_speculative_tokens, and one fewer than the tokens it may still emit. A request
-        below its min_tokens guesses none (its bans of EOS count the tokens before each row);
-        one under structured output only what its structure allows."""
+        num_speculative_tokens, and one fewer than the tokens it may still emit; one under
+        structured output only what its structure allows."""
         request.spec_token_ids = []
         if request.spec_pause:
             request.spec_pause -= 1
             return
         params = request.sampling_params
         room = request.max_tokens - len(request.output_token_ids) - 1
-        if room < 1 or params.embed or len(request.output_token_ids) < params.min_tokens:
+        if room < 1 or params.embed:
             return
         drafts = self.proposer.propose(request.all_token_ids, request.token_history,
                                        min(room, self.proposer.num_speculative_tokens))

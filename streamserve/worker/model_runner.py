@@ -630,10 +630,11 @@ def _row_masks(rows: list, masks: dict[str, np.ndarray]) -> list[Optional[np.nda
 
 def _draft_rows(state: RequestState, drafts: list[int]) -> list:
     """The sampler's rows for a request checking guesses: the request itself at every row,
-    unless its penalties or bad words read its tokens, or its seed draws by position (then each
-    row after the first sees the guesses before it as sampled)."""
+    unless its penalties or bad words read its tokens, its min_tokens counts them, or its seed
+    draws by position (then each row after the first sees the guesses before it as sampled)."""
     params = state.params
-    if params.has_penalties or params.bad_words_token_ids or params.seed is not None:
+    if (params.has_penalties or params.bad_words_token_ids or params.seed is not None
+            or params.min_tokens > len(state.token_ids) - state.num_prompt_tokens):
         return [state] + [DraftRow(state, drafts[:j]) for j in range(1, len(drafts) + 1)]
     return [state] * (len(drafts) + 1)
 

@@ -271,17 +271,6 @@ def test_a_stop_among_the_kept_tokens_ends_the_request_there(llama_dir):
     assert not sched.has_unfinished_requests() and sched.kv_cache_manager.num_free_blocks == 64
 
 
-def test_a_request_short_of_its_min_tokens_guesses_nothing(llama_dir):
-    """min_tokens bans EOS by the count of tokens before the row, which guesses would change."""
-    sched = make_scheduler(llama_dir, speculative_config=SPEC)
-    sched.add_request(guessing_request(min_tokens=3))
-    step_with(sched, {"A": [3]})
-    assert sched.requests["A"].spec_token_ids == []
-    step_with(sched, {"A": [4]})
-    step_with(sched, {"A": [1]})
-    assert sched.requests["A"].spec_token_ids == [2, 3, 4]  # 3 tokens out: guessing starts
-
-
 def test_preemption_drops_the_guesses(llama_dir):
     sched = make_scheduler(llama_dir, speculative_config=SPEC)
     sched.add_request(guessing_request())

@@ -44,7 +44,8 @@ def test_greedy_outputs_match_transformers(engines, llama_dir):
     {"repetition_penalty": 1.5, "frequency_penalty": 0.3, "presence_penalty": 0.2},
     {"bad_words_token_ids": [[5, 6], [7, 7, 5]]},
     {"logit_bias": {6: 1.5}, "top_k": 1, "temperature": 0.7},  # top_k 1: greedy through the sampling path
-], ids=["plain", "penalties", "bad-words", "bias-top-k"])
+    {"min_tokens": 40, "ignore_eos": False, "stop_token_ids": [5]},  # 5 banned for 40 tokens, then it stops
+], ids=["plain", "penalties", "bad-words", "bias-top-k", "min-tokens"])
 def test_greedy_outputs_match_without_speculation(engines, extra):
     plain, spec = engines
     params = SamplingParams(**{"temperature": 0, "max_tokens": 48, "ignore_eos": True, "logprobs": 2,
