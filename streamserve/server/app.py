@@ -616,7 +616,7 @@ async def compile_ahead(request: web.Request, body: dict[str, Any], chat: bool) 
     with the 400 _Call would give (a failure is not cached: _Call would compile it again). A
     tool_choice is a chat's only."""
     calls = chat and (body.get("tool_choice") == "required" or isinstance(body.get("tool_choice"), dict))
-    if not calls and not _compiles(body):
+    if not calls and not protocol.compiles_output(body):
         return
     parser = request.app[CONFIG].server.tool_call_parser
 
@@ -633,14 +633,6 @@ async def compile_ahead(request: web.Request, body: dict[str, Any], chat: bool) 
     error = await asyncio.get_running_loop().run_in_executor(_COMPILER, compile_)
     if error is not None:
         raise error
-
-
-def _compiles(body: dict[str, Any]) -> bool:
-    """Whether the body holds its output to something compiled: a JSON schema, a regex or choices."""
-    fmt, so = body.get("response_format"), body.get("structured_outputs")
-    return (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
-            or isinstance(so, dict) and any(so.get(key) is not None for key in ("json", "regex", "choice"))
-            or any(body.get(key) is not None for key in ("guided_json", "guided_regex", "guided_choice")))
 
 
 # one thread for compile_ahead: compiles one at a time, so that the loop shares the interpreter

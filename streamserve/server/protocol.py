@@ -105,6 +105,18 @@ def sampling_params(body: dict[str, Any], max_n: int, default_max_tokens: Option
 _GUIDED = {"guided_json": "json", "guided_choice": "choice", "guided_regex": "regex", "guided_grammar": "grammar"}
 
 
+_COMPILED = ("json", "regex", "choice")  # the structured_outputs fields compiled before use
+
+
+def compiles_output(body: dict[str, Any]) -> bool:
+    """Whether the body holds its output to something compiled: a JSON schema, a regex or choices
+    (by response_format, structured_outputs or an earlier guided_* field)."""
+    fmt, so = body.get("response_format"), body.get("structured_outputs")
+    return (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
+            or isinstance(so, dict) and any(so.get(key) is not None for key in _COMPILED)
+            or any(body.get(key) is not None for key, kind in _GUIDED.items() if kind in _COMPILED))
+
+
 def structured_outputs(body: dict[str, Any]) -> Optional[StructuredOutputsParams]:
     """What the output is held to: OpenAI's response_format ({"type": "text"}, "json_object"
     or "json_schema" with {"json_schema": {"name", "schema"}}) or vLLM's structured_outputs

@@ -948,3 +948,19 @@ def test_vllms_allowed_token_ids_bad_words_and_truncation_are_served(client, ser
                         ({"truncate_prompt_tokens": 10 ** 6}, "truncate_prompt_tokens")):
         status, error = post(server + "/v1/completions", {"prompt": prompt, **body})
         assert status == 400 and error["error"]["param"] == param, (body, error)
+
+
+def test_the_bodies_compiled_off_the_loop_are_those_with_a_schema_regex_or_choices():
+    """compile_ahead sends a body to the compile thread when its output is held to a compiled
+    structure, under any of the fields that name one."""
+    from streamserve.server.protocol import compiles_output
+
+    schema = {"type": "object"}
+    for body in ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+                 {"structured_outputs": {"json": schema}}, {"structured_outputs": {"regex": "a+"}},
+                 {"structured_outputs": {"choice": ["a"]}}, {"guided_json": schema}, {"guided_regex": "a"},
+                 {"guided_choice": ["a"]}):
+        assert compiles_output(body), body
+    for body in ({}, {"response_format": {"type": "json_object"}}, {"structured_outputs": {"json_object": True}},
+                 {"guided_grammar": "root ::= x"}, {"structured_outputs": "json"}, {"response_format": "text"}):
+        assert not compiles_output(body), body
