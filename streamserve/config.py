@@ -236,12 +236,14 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    # no request guesses while more requests than this are unfinished (running or waiting)
+    disable_by_batch_size: Optional[int] = None
 
     METHODS = ("ngram",)
 
     @classmethod
     def from_dict(cls, given: dict) -> "SpeculativeConfig":
-        known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+        known = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
         unknown = sorted(set(given) - set(known))
         if unknown:
             raise ValueError(f"speculative_config: {', '.join(map(repr, unknown))} not among {', '.join(known)}")
@@ -259,7 +261,10 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: {name} ({value!r}) must be an integer >= 1")
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
-        return cls(method, k, high, low)
+        limit = given.get("disable_by_batch_size")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise ValueError(f"speculative_config: disable_by_batch_size ({limit!r}) must be an integer >= 1")
+        return cls(method, k, high, low, limit)
 
 
 @dataclass
@@ -277,7 +282,8 @@ class SchedulerConfig:
         "help": "speculative decoding, as vLLM's: JSON {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
                 "\"prompt_lookup_max\": n, \"prompt_lookup_min\": m}: each step guesses a decoding request's next "
                 "k tokens from where its last n..m tokens occurred before in it (prompt or output), and the "
-                "step checks them all at once, keeping the tokens it would have sampled"})
+                "step checks them all at once, keeping the tokens it would have sampled; "
+                "\"disable_by_batch_size\": b stops the guessing while more than b requests are unfinished"})
 
     # Filled in by __post_init__: speculative_config read.
     speculative: Optional["SpeculativeConfig"] = field(default=None, repr=False, metadata={"cli": False})

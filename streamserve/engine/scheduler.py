@@ -75,6 +75,8 @@ class Scheduler:
         self.num_preemptions = 0
         speculative = config.scheduler.speculative
         self.proposer = None if speculative is None else NgramProposer(speculative)
+        # with more unfinished requests than this, nobody guesses (vLLM's disable_by_batch_size)
+        self.spec_max_batch = None if speculative is None else speculative.disable_by_batch_size
         # speculative decoding's counts (vLLM's spec_decode metrics): steps that checked guesses,
         # guesses checked, guesses kept, and guesses kept at each position
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
@@ -345,7 +347,8 @@ class Scheduler:
                     kept = self.kv_cache_manager.trim(request, request.num_tokens)
                     if kept is not None:
                         self.trimmed_block_counts[req_id] = kept
-            if self.proposer is not None and not finished:
+            if self.proposer is not None and not finished and (self.spec_max_batch is None
+                                                               or len(requests) <= self.spec_max_batch):
                 self._propose(request)
             queue_time = None
             if len(request.output_token_ids) == len(tokens) and request.first_scheduled_time is not None:

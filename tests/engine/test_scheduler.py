@@ -354,3 +354,15 @@ def test_blocks_taken_for_refused_guesses_go_back_at_once(llama_dir):
     assert len(kv.req_to_blocks["A"]) == 2 and kv.num_free_blocks == 1  # its third block is back
     out, _ = step_with(sched, {"A": [5], "B": [9]})  # B's 6th token needs a second block
     assert out.trimmed_block_counts == {"A": 2} and not out.preempted_req_ids and sched.num_preemptions == 0
+
+
+def test_no_guessing_while_more_requests_than_disable_by_batch_size_are_unfinished(llama_dir):
+    sched = make_scheduler(llama_dir, speculative_config={**SPEC, "disable_by_batch_size": 1})
+    sched.add_request(guessing_request("A"))
+    sched.add_request(make_request("B", 3, 2))
+    step_with(sched, {"A": [3], "B": [9]})
+    assert sched.requests["A"].spec_token_ids == []  # two unfinished
+    step_with(sched, {"A": [4], "B": [9]})  # B finishes (max_tokens 2)
+    assert "B" not in sched.requests
+    step_with(sched, {"A": [1]})  # A alone: it guesses again
+    assert sched.requests["A"].spec_token_ids == [2, 3, 4]

@@ -73,6 +73,7 @@ def test_k_caps_the_guess():
     ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      "prompt_lookup_min (4) must be <= prompt_lookup_max (2)"),
     ({"method": "ngram", "num_speculative_tokens": 3, "model": "x"}, "'model' not among"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}, "disable_by_batch_size (0) must"),
 ])
 def test_bad_configs_are_refused_clearly(given, message):
     with pytest.raises(ValueError, match=None) as info:
