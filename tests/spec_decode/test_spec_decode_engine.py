@@ -163,3 +163,23 @@ def test_a_small_pool_preempts_and_the_tokens_hold(llama_dir):
     scheduler = spec.engine_core.scheduler
     assert scheduler.num_preemptions > 0 and 0 < guesses(spec)[1] < guesses(spec)[0]
     assert scheduler.kv_cache_manager.num_free_blocks == 16
+
+
+def test_lora_requests_guess_through_their_adapters(llama_dir, tmp_path):
+    """Guesses of requests through a LoRA adapter are read through it (a chunk's rows grouped by
+    adapter, in the C step and op by op): every other prompt through it, the tokens are those
+    without guessing."""
+    from lora_adapters import build_adapter
+
+    from streamserve import LoRARequest
+
+    lora = LoRARequest("a", 1, build_adapter(str(tmp_path / "a"), llama_dir, rank=8, seed=3))
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, allowed_token_ids=FEW)
+    per_prompt = [lora if i % 2 else None for i in range(len(PROMPTS))]
+    for eager in (False, True):
+        make = lambda **kw: LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB", enable_lora=True,  # noqa: E731
+                                enforce_eager=eager, **kw)
+        plain, spec = make(), make(speculative_config=SPEC)
+        want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False, lora_request=per_prompt)]
+        got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params, use_tqdm=False, lora_request=per_prompt)]
+        assert got == want and guesses(spec)[1] > 0
