@@ -421,6 +421,9 @@ class ServerConfig:
         "help": "give a chat reply's <think> block apart from its content, as the message's "
                 "'reasoning' (and 'reasoning_content'): 'deepseek_r1' or 'qwen3' (DeepSeek-R1 and its "
                 "distills, QwQ, Qwen3)"})
+    disable_log_stats: bool = field(default=False, metadata={
+        "help": "do not log the throughput, queues, KV cache use and speculative decoding's acceptance "
+                "every STREAMSERVE_LOG_STATS_INTERVAL seconds (10) while requests run"})
 
     def __post_init__(self) -> None:
         if self.tool_call_parser not in (None, "hermes", "llama3_json"):

@@ -88,7 +88,7 @@ def test_every_field_is_a_keyword_of_one_part():
             "enforce_eager", "load_format", "generation_config", "override_generation_config",
             "host", "port", "served_model_name", "api_key", "max_n", "max_choices", "max_request_bytes",
             "sse_keepalive_seconds", "allowed_origins", "shutdown_timeout", "responses_memory",
-            "tool_call_parser", "reasoning_parser", "enable_lora", "lora_modules", "max_loras",
+            "tool_call_parser", "reasoning_parser", "disable_log_stats", "enable_lora", "lora_modules", "max_loras",
             "max_lora_rank", "max_cpu_loras"} == set(names)
     # The values read from the checkpoint are not settings.
     assert "hf_config" not in names and "torch_dtype" not in names and "sampling_defaults" not in names

@@ -73,6 +73,8 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.trimmed_block_counts: dict[str, int] = {}  # for the runner at the next step
         self.num_preemptions = 0
+        # the server's periodic stats: prompt tokens scheduled (cache hits not counted), tokens sampled
+        self.num_prompt_tokens_computed = self.num_generated_tokens = 0
         speculative = config.scheduler.speculative
         self.proposer = None if speculative is None else NgramProposer(speculative)
         # with more unfinished requests than this, nobody guesses (vLLM's disable_by_batch_size)
@@ -147,6 +149,8 @@ class Scheduler:
                 break
             if request.spec_token_ids:  # (a decode's: its gap is 1)
                 guessing.append((len(cached.req_ids), request))
+            if num_computed < request.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(num_new, request.num_prompt_tokens - num_computed)
             num_scheduled[request.request_id] = num_new
             cached.req_ids.append(request.request_id)
             cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
@@ -186,6 +190,8 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 kv.record_prefix_lookup(request.num_tokens, num_hit)
             num_scheduled[request.request_id] = num_new
+            if num_hit < request.num_prompt_tokens:
+                self.num_prompt_tokens_computed += min(num_new, request.num_prompt_tokens - num_hit)
             new_reqs.append(NewRequestData(
                 request.request_id, list(request.all_token_ids), request.num_prompt_tokens,
                 request.sampling_params, request.eos_token_id,
@@ -335,6 +341,7 @@ class Scheduler:
                 finished = request.check_stop()
             else:
                 tokens, finished = self._append_tokens(request, tokens, self._vocabulary)
+            self.num_generated_tokens += len(tokens)
             drafts = spec_tokens.get(req_id) if spec_tokens else None
             if drafts is not None:
                 self._count_accepted(request, len(drafts), num_accepted)

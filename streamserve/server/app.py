@@ -33,7 +33,7 @@ from streamserve.lora.adapter import LoRAAdapter
 from streamserve.outputs import CompletionOutput, Logprob, RequestOutput
 from streamserve.sampling_params import ParamError
 from streamserve.server import protocol
-from streamserve.server.metrics import Metrics
+from streamserve.server.metrics import Metrics, log_stats, log_stats_interval
 from streamserve.server.protocol import APIError, bad_request
 from streamserve.server.reasoning import ReasoningReader, opens_thinking, reasoning_fields
 from streamserve.server.tools import ToolCallReader, tool_calling, tools_for_template
@@ -52,6 +52,7 @@ class Serving(NamedTuple):
 
 ENGINE = web.AppKey("engine", AsyncEngine)
 READY_LOG = web.AppKey("ready_log", asyncio.Task)
+STATS_LOG = web.AppKey("stats_log", asyncio.Task)  # the periodic stats lines (log_stats)
 METRICS = web.AppKey("metrics", Metrics)
 CONFIG = web.AppKey("serving", Serving)
 DRAINING = web.AppKey("draining", asyncio.Event)  # set on shutdown: new requests are refused
@@ -139,8 +140,12 @@ def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web
     async def on_startup(app: web.Application) -> None:
         engine.start()
         app[READY_LOG] = asyncio.create_task(_log_when_ready(model_name, engine))
+        if not server.disable_log_stats:
+            app[STATS_LOG] = asyncio.create_task(log_stats(engine, log_stats_interval()))
 
     async def on_cleanup(app: web.Application) -> None:
+        if STATS_LOG in app:
+            app[STATS_LOG].cancel()
         await engine.shutdown()
 
     app.on_startup.append(on_startup)

@@ -7,6 +7,9 @@ as each request's deltas arrive.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
 import time
 from typing import Iterator, Optional
 
@@ -15,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from streamserve.frontend.async_engine import AsyncEngine
 from streamserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
 
 P = "streamserve:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
@@ -133,3 +138,48 @@ class RequestTracker:
                 self.m.request_success.labels(name, s.finish_reason).inc()
         if delta.finished:
             self.m.e2e.labels(name).observe(now - self.arrival)
+
+
+def log_stats_interval() -> float:
+    """Seconds between the stats lines (STREAMSERVE_LOG_STATS_INTERVAL, as vLLM's VLLM_LOG_STATS_INTERVAL)."""
+    return float(os.environ.get("STREAMSERVE_LOG_STATS_INTERVAL", "10"))
+
+
+async def log_stats(engine: AsyncEngine, interval: float) -> None:
+    """vLLM's periodic stats lines, from the engine's counters (plain ints read across threads),
+    every `interval` seconds in which the engine had work: prompt and generation throughput,
+    running and waiting requests, KV cache use and prefix cache hit rate over the interval; and
+    with speculative decoding, how many guesses were checked and kept (each position's share)."""
+    try:
+        await engine.wait_ready()
+    except Exception:  # (reported by /health and the command line)
+        return
+    scheduler = engine.engine_core.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+
+    def counters() -> tuple:
+        return (time.monotonic(), scheduler.num_prompt_tokens_computed, scheduler.num_generated_tokens,
+                pool.prefix_cache_queries, pool.prefix_cache_hits, scheduler.spec_num_drafts,
+                scheduler.spec_num_draft_tokens, scheduler.spec_num_accepted_tokens,
+                list(scheduler.spec_accepted_per_pos))
+
+    last = counters()
+    while True:
+        await asyncio.sleep(interval)
+        now = counters()
+        seconds, prompt, generated, queries, hits, drafts, drafted, accepted = (
+            now[i] - last[i] for i in range(8))
+        running, waiting = len(scheduler.running), len(scheduler.waiting)
+        if prompt or generated or running or waiting:
+            logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                        "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+                        prompt / seconds, generated / seconds, running, waiting, 100 * pool.usage(),
+                        100 * hits / queries if queries else 0.0)
+            if drafts:
+                per_pos = ", ".join(f"{(a - b) / drafts:.3f}" for a, b in zip(now[8], last[8]))
+                logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Accepted throughput: %.2f tokens/s, "
+                            "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
+                            "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+                            1 + accepted / drafts, accepted / seconds, drafted / seconds, accepted, drafted, per_pos,
+                            100 * accepted / drafted if drafted else 0.0)
+        last = now
