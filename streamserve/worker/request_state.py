@@ -37,8 +37,9 @@ class RequestState:
 
 class DraftRow:
     """A row of a step that checks a request's guessed tokens (speculative decoding) whose
-    logits follow the first `num_drafts` of them: to the sampler, the request as it would be had
-    it sampled those (its penalties and bad words count them)."""
+    logits follow `drafts`, the guesses before it: to the sampler, the request as it would be had
+    it sampled those (its penalties, bad words and min_tokens count them, its seed draws for the
+    position after them)."""
 
     __slots__ = ("state", "token_ids")
 
