@@ -819,6 +819,8 @@ async def _chunks(call: _Call, outputs: AsyncIterator[RequestOutput]) -> AsyncIt
                     rest = reader.close()
                     if "content" in rest:
                         choice["delta"]["content"] = choice["delta"].get("content", "") + rest["content"]
+                    if "tool_calls" in rest:  # (pythonic's, read whole at the end)
+                        choice["delta"]["tool_calls"] = choice["delta"].get("tool_calls", []) + rest["tool_calls"]
                     choice["finish_reason"] = call.finish_reason(s.finish_reason, bool(reader.calls))
             elif call.chat:
                 choice["delta"] = {"content": text} if text else {}

@@ -12,16 +12,22 @@ reply is free text in which <tool_call>{"name": ..., "arguments": ...}</tool_cal
 calls (as Qwen2.5 and Hermes models write them), with --tool-call-parser llama3_json a reply
 that begins with {"name": ..., "parameters": ...} objects (after <|python_tag|>, where special
 tokens are kept; several apart by ";") is calls, as Llama 3.1-3.3 write them, and any other
-reply content; without one it is refused, as vLLM refuses it without --enable-auto-tool-choice.
+reply content, and with --tool-call-parser pythonic a reply that is a Python list of calls,
+[get_weather(city="Rome", days=2), get_time()], as Llama 3.2 and 4 write them, is those calls
+(their keyword arguments, Python literals, as JSON) and any other reply content; without one it
+is refused, as vLLM refuses it without --enable-auto-tool-choice.
 
 Streamed, a named call's arguments go out as the text comes, the call's id, type and name on
 its first delta; with "required" each call goes out whole as soon as its object closes, with
 "auto" as soon as its block closes (the text around it as content; whitespace between calls,
-and what could begin a tag, held back until it is plain which it is).
+and what could begin a tag, held back until it is plain which it is); pythonic's reply, where
+it begins with "[", is held back whole until it ends (only then is it plain whether it is a
+list of calls), and streams as content from its first character otherwise.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
@@ -79,8 +85,8 @@ def tools_for_template(body: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
 def tool_calling(body: dict[str, Any], tools: Optional[list[dict[str, Any]]],
                  parser: Optional[str] = None) -> Optional[ToolCalling]:
     """What tool_choice asks of the reply (None: text). `tools`: the body's, as tools_for_template
-    checked them; `parser`: the server's tool-call format ("hermes", "llama3_json"), without which "auto"
-    cannot be."""
+    checked them; `parser`: the server's tool-call format ("hermes", "llama3_json", "pythonic"), without
+    which "auto" cannot be."""
     if body.get("functions") or body.get("function_call") not in (None, "none"):
         raise bad_request("the deprecated 'functions' and 'function_call' are not supported: give 'tools' and "
                           "'tool_choice'", "functions")
@@ -92,8 +98,9 @@ def tool_calling(body: dict[str, Any], tools: Optional[list[dict[str, Any]]],
     if choice == "auto":
         if parser is None:
             raise bad_request("tool_choice 'auto' needs a parser of the model's own tool-call format: start the "
-                              "server with --tool-call-parser hermes (for models that write <tool_call>...) or "
-                              "llama3_json (Llama 3.1-3.3), or give 'required', a named function or 'none'",
+                              "server with --tool-call-parser hermes (for models that write <tool_call>...), "
+                              "llama3_json (Llama 3.1-3.3) or pythonic (Llama 3.2 and 4), or give 'required', a "
+                              "named function or 'none'",
                               "tool_choice")
         return ToolCalling(None, None, parser)
     functions = {tool["function"]["name"]: _parameters(tool["function"]) for tool in tools}
@@ -174,6 +181,8 @@ class ToolCallReader:
         self.text += text
         if self.calling.parser == "llama3_json":
             return self._llama3_json()
+        if self.calling.parser == "pythonic":
+            return self._pythonic()
         if self.calling.parser is not None:
             return self._hermes()
         if self.calling.name is not None:  # the text is the one call's arguments
@@ -206,6 +215,11 @@ class ToolCallReader:
         rest, self._read = self.text[self._read:], len(self.text)
         if self.calling.parser == "llama3_json" and self.calls and not self._plain and not rest.strip(_BETWEEN):
             rest = ""  # the separators after the last call
+        if self.calling.parser == "pythonic" and not self._plain:
+            calls = _pythonic_calls(rest)
+            if calls is not None:
+                self._spaces = ""
+                return self._delta("", [self._add(name, arguments) for name, arguments in calls])
         content = self._text(rest)
         if not self.calls:
             content, self.content, self._spaces = content + self._spaces, self.content + self._spaces, ""
@@ -273,6 +287,20 @@ class ToolCallReader:
         self._read = len(self.text)
         return self._delta(content, calls)
 
+    def _pythonic(self) -> dict[str, Any]:
+        """A reply that begins with "[" (after whitespace, or Llama 4's <|python_start|>) may be
+        a list of calls: held back, to be read whole at the close. Any other is content."""
+        if not self._plain:
+            begun = self.text.lstrip()
+            if not begun or len(begun) < len(_PYTHON_START) and _PYTHON_START.startswith(begun):
+                return {}
+            if begun.removeprefix(_PYTHON_START).lstrip()[:1] in ("[", ""):
+                return {}
+            self._plain = True
+        content = self._text(self.text[self._read:])
+        self._read = len(self.text)
+        return self._delta(content, [])
+
     def _text(self, text: str) -> str:
         """Content as it comes, but for its trailing whitespace, held back until more content
         comes (then it is content) or a call does (then it is not): so where the text was cut
@@ -293,6 +321,32 @@ class ToolCallReader:
         if calls:
             delta["tool_calls"] = calls
         return delta
+
+
+_PYTHON_START, _PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, where special tokens are kept
+
+
+def _pythonic_calls(text: str) -> Optional[list[tuple[str, str]]]:
+    """(name, JSON arguments) of each call of a reply that is one Python list of calls with
+    keyword arguments whose values are literals ([f(a=1, b="x"), g()]); None for any other
+    reply (no list, a positional argument, a value that is an expression or no JSON)."""
+    body = text.strip().removeprefix(_PYTHON_START).removesuffix(_PYTHON_END).strip()
+    if not body.startswith("["):
+        return None
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for call in tree.elts:
+            if (not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args
+                    or any(k.arg is None for k in call.keywords) or not _NAME.fullmatch(call.func.id)):
+                return None
+            arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+            calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+        return calls
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+        return None
 
 
 def _hermes_call(block: str) -> Optional[tuple[str, str]]:

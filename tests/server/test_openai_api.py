@@ -799,6 +799,33 @@ def test_the_llama3_json_parser_reads_calls_whole_and_in_pieces(text, content, c
     _check_parser("llama3_json", text, content, calls)
 
 
+PYTHONIC = [  # (text, content, calls as (name, arguments))
+    ('[get_weather(city="Rome", days=2)]', None, [("get_weather", '{"city": "Rome", "days": 2}')]),
+    ("  [a(x=[1, 2.5, None], y={'k': True}), b()]\n", None, [("a", '{"x": [1, 2.5, null], "y": {"k": true}}'),
+                                                          ("b", "{}")]),
+    ('<|python_start|>[f(s="é ]) [")]<|python_end|>', None, [("f", '{"s": "é ]) ["}')]),
+    ("The weather is fine.", "The weather is fine.", []),
+    ("[1] is a reference.", "[1] is a reference.", []),
+    ('[f("positional")]', '[f("positional")]', []),
+    ("[f(x=1 + 2)]", "[f(x=1 + 2)]", []),
+    ("[f(x=float('nan'))]", "[f(x=float('nan'))]", []),
+    ("[f(x=1)] and more", "[f(x=1)] and more", []),
+    ("[f(x=1), ", "[f(x=1), ", []),
+    ("[os.system(x=1)]", "[os.system(x=1)]", []),
+    ("[]", "[]", []),
+    ("  ", "  ", []),
+    ("<|python_", "<|python_", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", PYTHONIC)
+def test_the_pythonic_parser_reads_a_list_of_calls_whole_and_in_pieces(text, content, calls):
+    """--tool-call-parser pythonic: a reply that is one Python list of calls with keyword
+    arguments whose values are literals is those calls (arguments as JSON); any other reply,
+    or one with anything else in it, is content. Fed in pieces, the deltas add up to the same."""
+    _check_parser("pythonic", text, content, calls)
+
+
 def _check_parser(parser: str, text: str, content, calls) -> None:
     import random
 
@@ -851,14 +878,18 @@ def test_tool_choice_auto_with_the_hermes_parser(model_dirs):
         proc.wait(timeout=30)
 
 
-def test_tool_choice_auto_with_the_llama3_json_parser(model_dirs):
-    """--tool-call-parser llama3_json: a reply of two JSON calls apart by ";" is two calls,
-    streamed the same; a reply of text is content. (The model is held to each reply by a choice.)"""
+@pytest.mark.parametrize("parser, calls", [
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}; {"name": "get_time", "parameters": {}}'),
+    ("pythonic", '[get_weather(city="Rome", days=2), get_time()]'),
+])
+def test_tool_choice_auto_with_the_llama3_json_and_pythonic_parsers(model_dirs, parser, calls):
+    """--tool-call-parser llama3_json (two JSON calls apart by ";") and pythonic (a Python list
+    of two calls): the reply is two calls, streamed the same (pythonic's in the last chunk, read
+    whole at the end); a reply of text is content. (The model is held to each reply by a choice.)"""
     from live_server import serve_in_thread
 
-    for live in serve_in_thread(model_dirs["llama"], served_model_name="tiny", tool_call_parser="llama3_json"):
+    for live in serve_in_thread(model_dirs["llama"], served_model_name="tiny", tool_call_parser=parser):
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
-        calls = '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}; {"name": "get_time", "parameters": {}}'
         user = [{"role": "user", "content": "Weather and time in Rome?"}]
         for reply, want in ((calls, [("get_weather", '{"city": "Rome", "days": 2}'), ("get_time", "{}")]),
                             ("It is sunny.", [])):
