@@ -12,17 +12,19 @@ reply is free text in which <tool_call>{"name": ..., "arguments": ...}</tool_cal
 calls (as Qwen2.5 and Hermes models write them), with --tool-call-parser llama3_json a reply
 that begins with {"name": ..., "parameters": ...} objects (after <|python_tag|>, where special
 tokens are kept; several apart by ";") is calls, as Llama 3.1-3.3 write them, and any other
-reply content, and with --tool-call-parser pythonic a reply that is a Python list of calls,
+reply content, with --tool-call-parser pythonic a reply that is a Python list of calls,
 [get_weather(city="Rome", days=2), get_time()], as Llama 3.2 and 4 write them, is those calls
-(their keyword arguments, Python literals, as JSON) and any other reply content; without one it
-is refused, as vLLM refuses it without --enable-auto-tool-choice.
+(their keyword arguments, Python literals, as JSON) and any other reply content, and with
+--tool-call-parser mistral a reply that is a JSON array of {"name": ..., "arguments": ...}
+objects (after [TOOL_CALLS], where special tokens are kept), as Mistral's models write them, is
+those calls; without one it is refused, as vLLM refuses it without --enable-auto-tool-choice.
 
 Streamed, a named call's arguments go out as the text comes, the call's id, type and name on
 its first delta; with "required" each call goes out whole as soon as its object closes, with
 "auto" as soon as its block closes (the text around it as content; whitespace between calls,
 and what could begin a tag, held back until it is plain which it is); pythonic's reply, where
 it begins with "[", is held back whole until it ends (only then is it plain whether it is a
-list of calls), and streams as content from its first character otherwise.
+list of calls), and streams as content from its first character otherwise; so is mistral's.
 """
 
 from __future__ import annotations
@@ -85,8 +87,8 @@ def tools_for_template(body: dict[str, Any]) -> Optional[list[dict[str, Any]]]:
 def tool_calling(body: dict[str, Any], tools: Optional[list[dict[str, Any]]],
                  parser: Optional[str] = None) -> Optional[ToolCalling]:
     """What tool_choice asks of the reply (None: text). `tools`: the body's, as tools_for_template
-    checked them; `parser`: the server's tool-call format ("hermes", "llama3_json", "pythonic"), without
-    which "auto" cannot be."""
+    checked them; `parser`: the server's tool-call format ("hermes", "llama3_json", "pythonic",
+    "mistral"), without which "auto" cannot be."""
     if body.get("functions") or body.get("function_call") not in (None, "none"):
         raise bad_request("the deprecated 'functions' and 'function_call' are not supported: give 'tools' and "
                           "'tool_choice'", "functions")
@@ -99,8 +101,8 @@ def tool_calling(body: dict[str, Any], tools: Optional[list[dict[str, Any]]],
         if parser is None:
             raise bad_request("tool_choice 'auto' needs a parser of the model's own tool-call format: start the "
                               "server with --tool-call-parser hermes (for models that write <tool_call>...), "
-                              "llama3_json (Llama 3.1-3.3) or pythonic (Llama 3.2 and 4), or give 'required', a "
-                              "named function or 'none'",
+                              "llama3_json (Llama 3.1-3.3), pythonic (Llama 3.2 and 4) or mistral, or give "
+                              "'required', a named function or 'none'",
                               "tool_choice")
         return ToolCalling(None, None, parser)
     functions = {tool["function"]["name"]: _parameters(tool["function"]) for tool in tools}
@@ -181,8 +183,8 @@ class ToolCallReader:
         self.text += text
         if self.calling.parser == "llama3_json":
             return self._llama3_json()
-        if self.calling.parser == "pythonic":
-            return self._pythonic()
+        if self.calling.parser in _WHOLE_REPLY:
+            return self._whole_reply()
         if self.calling.parser is not None:
             return self._hermes()
         if self.calling.name is not None:  # the text is the one call's arguments
@@ -215,8 +217,8 @@ class ToolCallReader:
         rest, self._read = self.text[self._read:], len(self.text)
         if self.calling.parser == "llama3_json" and self.calls and not self._plain and not rest.strip(_BETWEEN):
             rest = ""  # the separators after the last call
-        if self.calling.parser == "pythonic" and not self._plain:
-            calls = _pythonic_calls(rest)
+        if self.calling.parser in _WHOLE_REPLY and not self._plain:
+            calls = _WHOLE_REPLY[self.calling.parser](rest)
             if calls is not None:
                 self._spaces = ""
                 return self._delta("", [self._add(name, arguments) for name, arguments in calls])
@@ -287,9 +289,10 @@ class ToolCallReader:
         self._read = len(self.text)
         return self._delta(content, calls)
 
-    def _pythonic(self) -> dict[str, Any]:
-        """A reply that begins with "[" (after whitespace, or Llama 4's <|python_start|>) may be
-        a list of calls: held back, to be read whole at the close. Any other is content."""
+    def _whole_reply(self) -> dict[str, Any]:
+        """pythonic and mistral: a reply that begins with "[" (after whitespace, or Llama 4's
+        <|python_start|>) may be a list of calls: held back, to be read whole at the close. Any
+        other is content."""
         if not self._plain:
             begun = self.text.lstrip()
             if not begun or len(begun) < len(_PYTHON_START) and _PYTHON_START.startswith(begun):
@@ -347,6 +350,38 @@ def _pythonic_calls(text: str) -> Optional[list[tuple[str, str]]]:
         return calls
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return None
+
+
+def _mistral_calls(text: str) -> Optional[list[tuple[str, str]]]:
+    """(name, JSON arguments) of each call of a reply that is one JSON array of {"name": ...,
+    "arguments": {...}} objects (after [TOOL_CALLS], where special tokens are kept), as Mistral's
+    models write them; None for any other reply."""
+    body = text.strip().removeprefix(_TOOL_CALLS).strip()
+    try:
+        calls = json.loads(body) if body.startswith("[") else None
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(calls, list) or not calls:
+        return None
+    read = []
+    for call in calls:
+        if not isinstance(call, dict) or set(call) != {"name", "arguments"}:
+            return None
+        name, arguments = call["name"], call["arguments"]
+        if isinstance(arguments, str):  # (a JSON string of the arguments, as some write them)
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
+        if not isinstance(name, str) or not _NAME.fullmatch(name) or not isinstance(arguments, dict):
+            return None
+        read.append((name, json.dumps(arguments, ensure_ascii=False)))
+    return read
+
+
+_TOOL_CALLS = "[TOOL_CALLS]"  # Mistral's, where special tokens are kept
+# the parsers that read a reply whole, at its end: text -> its calls, or None where it is content
+_WHOLE_REPLY = {"pythonic": _pythonic_calls, "mistral": _mistral_calls}
 
 
 def _hermes_call(block: str) -> Optional[tuple[str, str]]:

@@ -826,6 +826,29 @@ def test_the_pythonic_parser_reads_a_list_of_calls_whole_and_in_pieces(text, con
     _check_parser("pythonic", text, content, calls)
 
 
+MISTRAL = [  # (text, content, calls as (name, arguments))
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]', None,
+     [("get_weather", '{"city": "Rome", "days": 2}')]),
+    (' [{"name": "a", "arguments": {"q": "]["}}, {"name": "b", "arguments": "{\\"x\\": 1}"}]\n', None,
+     [("a", '{"q": "]["}'), ("b", '{"x": 1}')]),
+    ("The weather is fine.", "The weather is fine.", []),
+    ("[1] is a reference.", "[1] is a reference.", []),
+    ('[{"name": "a"}]', '[{"name": "a"}]', []),
+    ('[{"name": "a", "arguments": [1]}]', '[{"name": "a", "arguments": [1]}]', []),
+    ('[{"name": "a", "arguments": {}}] and more', '[{"name": "a", "arguments": {}}] and more', []),
+    ('[{"name": "a", "arguments": {', '[{"name": "a", "arguments": {', []),
+    ("[]", "[]", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", MISTRAL)
+def test_the_mistral_parser_reads_a_json_array_of_calls_whole_and_in_pieces(text, content, calls):
+    """--tool-call-parser mistral: a reply that is one JSON array of {"name", "arguments"}
+    objects (after [TOOL_CALLS]) is those calls; any other reply is content. Fed in pieces, the
+    deltas add up to the same."""
+    _check_parser("mistral", text, content, calls)
+
+
 def _check_parser(parser: str, text: str, content, calls) -> None:
     import random
 
@@ -881,11 +904,13 @@ def test_tool_choice_auto_with_the_hermes_parser(model_dirs):
 @pytest.mark.parametrize("parser, calls", [
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}; {"name": "get_time", "parameters": {}}'),
     ("pythonic", '[get_weather(city="Rome", days=2), get_time()]'),
+    ("mistral", '[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}, {"name": "get_time", "arguments": {}}]'),
 ])
-def test_tool_choice_auto_with_the_llama3_json_and_pythonic_parsers(model_dirs, parser, calls):
-    """--tool-call-parser llama3_json (two JSON calls apart by ";") and pythonic (a Python list
-    of two calls): the reply is two calls, streamed the same (pythonic's in the last chunk, read
-    whole at the end); a reply of text is content. (The model is held to each reply by a choice.)"""
+def test_tool_choice_auto_with_the_llama3_json_pythonic_and_mistral_parsers(model_dirs, parser, calls):
+    """--tool-call-parser llama3_json (two JSON calls apart by ";"), pythonic (a Python list of
+    two calls) and mistral (a JSON array of two): the reply is two calls, streamed the same
+    (pythonic's and mistral's in the last chunk, read whole at the end); a reply of text is
+    content. (The model is held to each reply by a choice.)"""
     from live_server import serve_in_thread
 
     for live in serve_in_thread(model_dirs["llama"], served_model_name="tiny", tool_call_parser=parser):
