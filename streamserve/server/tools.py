@@ -345,38 +345,40 @@ def _pythonic_calls(text: str) -> Optional[list[tuple[str, str]]]:
             if (not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args
                     or any(k.arg is None for k in call.keywords) or not _NAME.fullmatch(call.func.id)):
                 return None
-            arguments = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-            calls.append((call.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+            arguments = json.dumps({k.arg: ast.literal_eval(k.value) for k in call.keywords},
+                                   ensure_ascii=False, allow_nan=False)
+            if not _encodable(arguments):  # a lone surrogate, from an escape
+                return None
+            calls.append((call.func.id, arguments))
         return calls
     except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
         return None
 
 
 def _mistral_calls(text: str) -> Optional[list[tuple[str, str]]]:
-    """(name, JSON arguments) of each call of a reply that is one JSON array of {"name": ...,
+    """(name, arguments) of each call of a reply that is one JSON array of {"name": ...,
     "arguments": {...}} objects (after [TOOL_CALLS], where special tokens are kept), as Mistral's
-    models write them; None for any other reply."""
+    models write them, each read as hermes reads its block's (arguments as written, or a JSON
+    string's value), and only an object taken as arguments; None for any other reply."""
     body = text.strip().removeprefix(_TOOL_CALLS).strip()
-    try:
-        calls = json.loads(body) if body.startswith("[") else None
-    except (ValueError, RecursionError):
+    if not body.startswith("["):
         return None
-    if not isinstance(calls, list) or not calls:
-        return None
-    read = []
-    for call in calls:
-        if not isinstance(call, dict) or set(call) != {"name", "arguments"}:
+    calls, at = [], _BLANK.match(body, 1).end()
+    while True:
+        members = _object_members(body, at)
+        if members is None or set(members) != {"name", "arguments", "}"}:
             return None
-        name, arguments = call["name"], call["arguments"]
-        if isinstance(arguments, str):  # (a JSON string of the arguments, as some write them)
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
+        call = _members_call(members)
+        try:
+            if call is None or not isinstance(json.loads(call[1]), dict):
                 return None
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or not isinstance(arguments, dict):
+        except (ValueError, RecursionError):
             return None
-        read.append((name, json.dumps(arguments, ensure_ascii=False)))
-    return read
+        calls.append(call)
+        at = _BLANK.match(body, members["}"]).end()
+        if body[at:at + 1] != ",":
+            return calls if body[at:] == "]" else None
+        at = _BLANK.match(body, at + 1).end()
 
 
 _TOOL_CALLS = "[TOOL_CALLS]"  # Mistral's, where special tokens are kept
@@ -392,6 +394,12 @@ def _hermes_call(block: str) -> Optional[tuple[str, str]]:
     call = _object_members(block, 0)
     if call is None or call["}"] != len(block):
         return None
+    return _members_call(call)
+
+
+def _members_call(call: dict[str, Any]) -> Optional[tuple[str, str]]:
+    """(name, arguments) of a call object's members as _object_members reads them (Llama's
+    "parameters" for "arguments" too), or None where they make no call."""
     name = _string(call.get("name"))
     arguments = call.get("arguments", call.get("parameters"))
     if name is None or not _NAME.fullmatch(name) or arguments is None:

@@ -812,6 +812,8 @@ PYTHONIC = [  # (text, content, calls as (name, arguments))
     ("[f(x=1)] and more", "[f(x=1)] and more", []),
     ("[f(x=1), ", "[f(x=1), ", []),
     ("[os.system(x=1)]", "[os.system(x=1)]", []),
+    ('[f(s="\\udddd")]', '[f(s="\\udddd")]', []),
+    ("[f(n=1e999)]", "[f(n=1e999)]", []),
     ("[]", "[]", []),
     ("  ", "  ", []),
     ("<|python_", "<|python_", []),
@@ -837,6 +839,9 @@ MISTRAL = [  # (text, content, calls as (name, arguments))
     ('[{"name": "a", "arguments": [1]}]', '[{"name": "a", "arguments": [1]}]', []),
     ('[{"name": "a", "arguments": {}}] and more', '[{"name": "a", "arguments": {}}] and more', []),
     ('[{"name": "a", "arguments": {', '[{"name": "a", "arguments": {', []),
+    ('[{"name": "a", "arguments": "{not json"}]', '[{"name": "a", "arguments": "{not json"}]', []),
+    ('[{"name": "a", "arguments": {}, "id": 1}]', '[{"name": "a", "arguments": {}, "id": 1}]', []),
+    ('[{"name": "a", "arguments": {"s": "\\udddd", "n": 1e999}}]', None, [("a", '{"s": "\\udddd", "n": 1e999}')]),
     ("[]", "[]", []),
 ]
 
