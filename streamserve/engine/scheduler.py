@@ -333,14 +333,10 @@ class Scheduler:
             if request is None:  # aborted while the step ran
                 continue
             num_accepted = len(tokens) - 1  # (the guesses its rows agreed with, before a stop cuts them)
-            if len(tokens) == 1:
-                token = tokens[0]
-                request.append_output_token(token)
-                if request.structured_state is not None:
-                    request.structured_state = self.vocabulary().after(request.structured_state, token)
-                finished = request.check_stop()
+            if len(tokens) == 1:  # (the common step: one token, no slicing)
+                finished = self._append_token(request, tokens[0])
             else:
-                tokens, finished = self._append_tokens(request, tokens, self._vocabulary)
+                tokens, finished = self._append_tokens(request, tokens)
             self.num_generated_tokens += len(tokens)
             drafts = spec_tokens.get(req_id) if spec_tokens else None
             if drafts is not None:
@@ -377,16 +373,18 @@ class Scheduler:
                                             new_prompt_logprobs=entries))
         return outputs
 
-    @staticmethod
-    def _append_tokens(request: Request, tokens: list[int], vocabulary: Optional[Vocabulary]
-                       ) -> tuple[list[int], bool]:
+    def _append_token(self, request: Request, token: int) -> bool:
+        """Append a sampled token (its structure's state follows it); whether it ends the request."""
+        request.append_output_token(token)
+        if request.structured_state is not None:
+            request.structured_state = self._vocabulary.after(request.structured_state, token)
+        return request.check_stop()
+
+    def _append_tokens(self, request: Request, tokens: list[int]) -> tuple[list[int], bool]:
         """Append several tokens (a step that checked guesses), up to one that ends the request:
         (the tokens appended, whether it finished)."""
         for n, token in enumerate(tokens, 1):
-            request.append_output_token(token)
-            if request.structured_state is not None:
-                request.structured_state = vocabulary.after(request.structured_state, token)
-            if request.check_stop():
+            if self._append_token(request, token):
                 return tokens[:n], True
         return tokens, False
 

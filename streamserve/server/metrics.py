@@ -181,5 +181,5 @@ async def log_stats(engine: AsyncEngine, interval: float) -> None:
                             "Drafted throughput: %.2f tokens/s, Accepted: %d tokens, Drafted: %d tokens, "
                             "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
                             1 + accepted / drafts, accepted / seconds, drafted / seconds, accepted, drafted, per_pos,
-                            100 * accepted / drafted if drafted else 0.0)
+                            100 * accepted / drafted)  # (a request checked guesses: at least one)
         last = now

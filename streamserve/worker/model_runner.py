@@ -216,8 +216,6 @@ class ModelRunner:
         self.num_lora_requests = 0  # of those, with a LoRA adapter (their steps group their rows by it)
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
                                       -(-config.model.max_model_len // self.block_size))
-        # A seeded request's generator, seeded afresh for each token it samples (sampler.py).
-        self.generators: dict[str, torch.Generator] = {}
 
     def _keep_quantized(self, model_dir: str) -> None:
         """Give the linear layers of a model converted from GGUF its quantized blocks."""
@@ -426,7 +424,6 @@ class ModelRunner:
         """Drop what is kept of requests that finished (or were aborted)."""
         for req_id in finished_req_ids:
             self._forget(req_id)
-            self.generators.pop(req_id, None)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         self.forget(so.finished_req_ids)
@@ -437,8 +434,10 @@ class ModelRunner:
             if state is not None:
                 self.block_table.truncate(state.row, num_blocks)
         for new in so.scheduled_new_reqs:
-            self.requests[new.req_id] = RequestState(new, self._generator(new.req_id, new.sampling_params.seed),
-                                                     self.block_table.add(new.block_ids))
+            # a seeded request's generator, seeded afresh for each token it samples (sampler.py):
+            # nothing of it outlives the request's state, a preemption included
+            generator = None if new.sampling_params.seed is None else torch.Generator(device=self.device)
+            self.requests[new.req_id] = RequestState(new, generator, self.block_table.add(new.block_ids))
             self.num_embedding_requests += new.sampling_params.embed
             self.num_lora_requests += new.lora is not None
         cached = so.scheduled_cached_reqs
@@ -455,15 +454,6 @@ class ModelRunner:
             self.block_table.remove(state.row)
             self.num_embedding_requests -= state.params.embed
             self.num_lora_requests -= state.lora is not None
-
-    def _generator(self, req_id: str, seed: Optional[int]) -> Optional[torch.Generator]:
-        if seed is None:
-            return None
-        if req_id not in self.generators:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-            self.generators[req_id] = gen
-        return self.generators[req_id]
 
     def _prepare_inputs(self, so: SchedulerOutput):
         self.to_device.begin_step()
