@@ -251,20 +251,22 @@ class SpeculativeConfig:
         if method not in cls.METHODS:
             raise ValueError(f"speculative_config: method {method!r} is not served: only \"ngram\" (prompt "
                              "lookup), which needs no draft model")
-        k = given.get("num_speculative_tokens")
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 32:
-            raise ValueError(f"speculative_config: num_speculative_tokens ({k!r}) must be an integer in [1, 32]")
+        k = _positive("num_speculative_tokens", given.get("num_speculative_tokens"), most=32)
         high, low = given.get("prompt_lookup_max"), given.get("prompt_lookup_min")
         high, low = (5, 5) if high is None and low is None else (low if high is None else high, high if low is None else low)
-        for name, value in (("prompt_lookup_max", high), ("prompt_lookup_min", low)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"speculative_config: {name} ({value!r}) must be an integer >= 1")
+        high, low = _positive("prompt_lookup_max", high), _positive("prompt_lookup_min", low)
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
         limit = given.get("disable_by_batch_size")
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise ValueError(f"speculative_config: disable_by_batch_size ({limit!r}) must be an integer >= 1")
-        return cls(method, k, high, low, limit)
+        return cls(method, k, high, low, None if limit is None else _positive("disable_by_batch_size", limit))
+
+
+def _positive(name: str, value: Any, most: Optional[int] = None) -> int:
+    """A speculative_config count: an integer from 1 (to `most`), or a ValueError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1 or most is not None and value > most:
+        raise ValueError(f"speculative_config: {name} ({value!r}) must be an integer "
+                         + (f"in [1, {most}]" if most is not None else ">= 1"))
+    return value
 
 
 @dataclass
