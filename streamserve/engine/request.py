@@ -96,7 +96,7 @@ class Request:
                  "num_computed_tokens", "num_cached_tokens", "status", "stop_reason",
                  "block_hashes", "num_preemptions", "first_scheduled_time", "num_prompt_logprobs",
                  "structured_state", "priority", "lora", "spec_token_ids", "token_history",
-                 "spec_misses", "spec_pause", "spec_states")
+                 "spec_misses", "spec_pause", "spec_masks")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: Optional[int],
@@ -132,7 +132,7 @@ class Request:
         self.token_history = bytearray()
         self.spec_misses = 0  # steps in a row whose guesses were all refused
         self.spec_pause = 0  # steps left before it guesses again (after misses)
-        self.spec_states: list = []  # structured output: the recognizer's states after each guess
+        self.spec_masks: list = []  # structured output: its rows' masks, the guesses before each read
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -259,7 +259,7 @@ class Scheduler:
                              spec_tokens: dict[str, list[int]]) -> dict[str, np.ndarray]:
         """The structured-output requests that sample this step (their gap closes): what each may
         sample; for one that checks guesses, a [1 + guesses, vocab] mask, a row for each of its
-        rows (the states after the guesses before it)."""
+        rows (the states after the guesses before it, made with the guesses: _structured_guesses)."""
         masks: dict[str, np.ndarray] = {}
         vocabulary = self._vocabulary
         if vocabulary is None:  # no structured request yet: no per-step loop
@@ -268,13 +268,12 @@ class Scheduler:
             request = self.requests[req_id]
             if request.structured_state is None:
                 continue
-            eos, stops = request.eos_token_id, request.sampling_params.stop_token_set
             drafts = spec_tokens.get(req_id)
-            if drafts:
-                states = [request.structured_state, *request.spec_states[:len(drafts)]]
-                masks[req_id] = np.stack([vocabulary.allowed(state, eos, stops) for state in states])
+            if drafts:  # (its rows' masks, made with its guesses)
+                masks[req_id] = np.stack(request.spec_masks[:len(drafts) + 1])
             elif request.num_computed_tokens == request.num_tokens:
-                masks[req_id] = vocabulary.allowed(request.structured_state, eos, stops)
+                masks[req_id] = vocabulary.allowed(request.structured_state, request.eos_token_id,
+                                                   request.sampling_params.stop_token_set)
         return masks
 
     def _make_room(self, preempted: list[Request], budget: int) -> None:
@@ -425,22 +424,22 @@ class Scheduler:
 
     def _structured_guesses(self, request: Request, drafts: list[int]) -> list[int]:
         """A structured-output request's guesses up to the first its structure does not allow
-        there (no row could sample it), and its states after each (for the rows' masks). An EOS
-        or stop token allowed ends them."""
+        there (no row could sample it), and the masks of its rows (the states after the guesses
+        before each), kept for the step that checks them. An EOS or stop token allowed ends them."""
         vocabulary, state = self.vocabulary(), request.structured_state
         eos, stops = request.eos_token_id, request.sampling_params.stop_token_set
-        states = []
+        masks = [vocabulary.allowed(state, eos, stops)]  # row 0's: the state before any guess
         for n, token in enumerate(drafts):
-            if not vocabulary.allowed(state, eos, stops)[token]:
+            if not masks[-1][token]:
                 drafts = drafts[:n]
                 break
             if token == eos or token in stops:  # (the row after it, if kept, samples nothing kept)
-                states.append(state)
+                masks.append(masks[-1])
                 drafts = drafts[:n + 1]
                 break
             state = vocabulary.after(state, token)
-            states.append(state)
-        request.spec_states = states
+            masks.append(vocabulary.allowed(state, eos, stops))
+        request.spec_masks = masks
         return drafts
 
     def _new_prompt_logprobs(self, computed: dict[str, tuple[int, list]]) -> dict[str, list]:
