@@ -27,7 +27,7 @@ import time
 os.environ.setdefault("TRITON_INTERPRET", "1")  # lets kernel_backend=triton start on the CPU
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_throughput import make_workload, random_smollm2_shaped  # noqa: E402
+from bench_throughput import make_workload, random_shaped  # noqa: E402
 
 
 def measure(model: str, backend: str, batch: int, context: int, steps: int) -> dict[str, float]:
@@ -89,7 +89,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    model = args.model or random_smollm2_shaped(
+    model = args.model or random_shaped(
         os.path.join(os.path.expanduser("~/.cache/streamserve"), "bench-smollm2-shape"))
     print(f"CPU time per decode step, {args.backend} backend, context ~{args.context}, {args.steps} steps (us)")
     print(f"{'batch':>6} {'schedule':>9} {'prepare':>9} {'update':>9} {'text':>9} {'total':>9} {'per request':>12}")

@@ -5,6 +5,7 @@ through both engines on the same model in the same process, and the script print
 output tokens/s for each and the ratio; then a single request decoding 128 tokens.
 
     python scripts/bench_throughput.py                      # random SmolLM2-135M-shaped Llama, bf16
+    python scripts/bench_throughput.py --shape gemma3-270m  # random Gemma-3-270M-shaped model, bf16
     python scripts/bench_throughput.py --model PATH --dtype float32
     python scripts/bench_throughput.py --model smollm2-135m-instruct --num-requests 32
 """
@@ -26,19 +27,30 @@ SMOLLM2_SHAPE = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=
                      tie_word_embeddings=True)
 
 
-def random_smollm2_shaped(path: str) -> str:
-    """A random Llama with SmolLM2-135M's shape (bf16) and a word-level tokenizer of its
-    vocabulary size, written once to `path`."""
+# google/gemma-3-270m's config.json: 18 layers (every sixth full, the rest windowed to 512 keys),
+# 4 query heads on 1 KV head of 256, a 262144-token tied embedding
+GEMMA3_270M_SHAPE = dict(hidden_size=640, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+                         head_dim=256, intermediate_size=2048, vocab_size=262144, max_position_embeddings=32768,
+                         query_pre_attn_scalar=256, sliding_window=512, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True)
+SHAPES = {"smollm2-135m": ("LlamaConfig", SMOLLM2_SHAPE), "gemma3-270m": ("Gemma3TextConfig", GEMMA3_270M_SHAPE)}
+
+
+def random_shaped(path: str, shape: str = "smollm2-135m") -> str:
+    """A random model of one of SHAPES (bf16) and a word-level tokenizer of its vocabulary
+    size, written once to `path`."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
+    import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    config = LlamaConfig(**SMOLLM2_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kind, dims = SHAPES[shape]
+    config = getattr(transformers, kind)(**dims, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
-    vocab = {f"w{i}": i for i in range(SMOLLM2_SHAPE["vocab_size"])}
+    vocab = {f"w{i}": i for i in range(dims["vocab_size"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
@@ -103,7 +115,9 @@ def run_transformers(model, workload, batch_size: int) -> tuple[float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory, .gguf file or alias such as "
-                        "smollm2-135m-instruct (default: a random SmolLM2-shaped Llama)")
+                        "smollm2-135m-instruct (default: a random model of --shape)")
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES),
+                        help="the random model's shape, without --model")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
@@ -120,8 +134,9 @@ def main() -> None:
 
     from streamserve import LLM
 
-    model_path = args.model or random_smollm2_shaped(
-        os.path.join(os.path.expanduser("~/.cache/streamserve"), "bench-smollm2-shape"))
+    model_path = args.model or random_shaped(
+        os.path.join(os.path.expanduser("~/.cache/streamserve"), f"bench-{args.shape.split('-')[0]}-shape"),
+        args.shape)
     llm = LLM(model_path, dtype=args.dtype)
     model_path = llm.config.model.model  # an alias or a GGUF resolves to a model directory
     vocab = llm.engine_core.vocab_size

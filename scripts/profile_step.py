@@ -18,7 +18,7 @@ import time
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_throughput import make_workload, random_smollm2_shaped, start_decoding  # noqa: E402
+from bench_throughput import make_workload, random_shaped, start_decoding  # noqa: E402
 
 
 def main() -> None:
@@ -34,7 +34,7 @@ def main() -> None:
 
     from streamserve import LLM
 
-    model = args.model or random_smollm2_shaped(
+    model = args.model or random_shaped(
         os.path.join(os.path.expanduser("~/.cache/streamserve"), "bench-smollm2-shape"))
     llm = LLM(model, dtype=args.dtype, kv_cache_memory="2GiB", enforce_eager=args.enforce_eager)
     core = llm.engine_core

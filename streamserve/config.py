@@ -174,12 +174,8 @@ class ModelConfig:
         return _DTYPES[self.dtype]
 
     def derived_max_model_len(self) -> int:
-        """The model's own context length; a sliding window caps it (we attend fully)."""
-        limit = int(self.hf_config.get("max_position_embeddings") or 2048)
-        window = self.hf_config.get("sliding_window")
-        if window and self.hf_config.get("use_sliding_window", True):
-            limit = min(limit, int(window))
-        return limit
+        """The model's own context length (a sliding window's layers attend within it past that)."""
+        return int(self.hf_config.get("max_position_embeddings") or 2048)
 
     @property
     def architecture(self) -> str:

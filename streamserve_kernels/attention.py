@@ -11,7 +11,9 @@ Layouts (the same as streamserve/worker/attention.py):
   block_tables    [B, max_blocks] int   physical blocks of each sequence, in order
 
 Query row j of sequence i sits at position seq_lens[i] - query_len + j and sees keys
-0 .. that position: the context before the chunk comes from the cache, and the chunk's
+0 .. that position (with a sliding `window` W > 0, only the last W of them: position - W + 1 ..
+position), its scores scaled by `scale` (and with `softcap` c > 0 mapped to c * tanh(score / c),
+Gemma 2's): the context before the chunk comes from the cache, and the chunk's
 own K/V must already have been written there (reshape_and_cache runs first). Query head h
 reads KV head h // (Hq // Hkv).
 
@@ -52,14 +54,16 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit
 def _attend_range(acc, m_i, l_i, q, q_pos, table_ptr, k_ptr, v_ptr, kv_start, kv_end,
-                  stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, offs_d, d_mask,
-                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, CAUSAL: tl.constexpr,
+                  stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, window, cap_log2e, offs_d, d_mask,
+                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr,
                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """Online softmax of the q tile [M, D] over keys [kv_start, kv_end), TILE_N at a time.
 
     k_ptr / v_ptr already point at this program's KV head; table_ptr at its block-table row.
-    Scores are in log2 units (qk_scale includes log2(e)); m_i starts finite (-1e30), so a
-    row that sees no key in a tile keeps p = 0 and alpha = 1 instead of turning into NaN.
+    Scores are in log2 units (qk_scale includes log2(e); with SOFTCAP, qk_scale is scale / cap
+    and the score is tanh of that times cap_log2e); m_i starts finite (-1e30), so a row that
+    sees no key in a tile keeps p = 0 and alpha = 1 instead of turning into NaN. window > 0
+    hides the keys at or before q_pos - window.
     """
     offs_n = tl.arange(0, TILE_N)
     for start in range(kv_start, kv_end, TILE_N):
@@ -71,10 +75,13 @@ def _attend_range(acc, m_i, l_i, q, q_pos, table_ptr, k_ptr, v_ptr, kv_start, kv
         k = tl.load(k_ptr + (block * stride_kb + within * stride_kt)[None, :] + offs_d[:, None],
                     mask=in_range[None, :] & d_mask[:, None], other=0.0)
         s = _dot(q, k, PRECISION, UPCAST) * qk_scale
+        if SOFTCAP:  # tanh(x) as 2 sigmoid(2x) - 1
+            s = (2.0 * tl.sigmoid(2.0 * s) - 1.0) * cap_log2e
         if CAUSAL:
             visible = in_range[None, :] & (pos[None, :] <= q_pos[:, None])
         else:
             visible = in_range[None, :] & (q_pos[:, None] >= 0)
+        visible = visible & ((pos[None, :] > q_pos[:, None] - window) | (window == 0))
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -112,12 +119,12 @@ def _find_seq(query_start_loc_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        num_seqs, qk_scale,
+        num_seqs, qk_scale, window, cap_log2e,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        SOFTCAP: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # One program: BLOCK_Q query tokens of one sequence x the GROUP query heads of one KV head,
     # as BLOCK_M = BLOCK_Q * GROUP (+ padding) rows, so every K/V tile is loaded once per group.
     q_tile = tl.program_id(0)
@@ -144,16 +151,19 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_mask[None, :], other=0.0)
 
-    # Keys up to the last query row of this tile.
+    # Keys up to the last query row of this tile (in a window, from the first row's first).
     kv_end = tl.minimum(seq_len, ctx_len + (tile_in_seq + 1) * BLOCK_Q)
+    kv_start = 0
+    if window > 0:
+        kv_start = tl.maximum(ctx_len + tile_in_seq * BLOCK_Q - window + 1, 0)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, q_pos, block_tables_ptr + seq.to(tl.int64) * stride_bt,
-        k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh, 0, kv_end,
-        stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, offs_d, d_mask,
-        BLOCK_SIZE, TILE_N, True, PRECISION, UPCAST)
+        k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh, kv_start, kv_end,
+        stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, window, cap_log2e, offs_d, d_mask,
+        BLOCK_SIZE, TILE_N, True, SOFTCAP, PRECISION, UPCAST)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
@@ -163,7 +173,7 @@ def _paged_attention_kernel(
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
                     max_query_len: int, out: Optional[torch.Tensor] = None,
-                    tile_n: Optional[int] = None) -> torch.Tensor:
+                    tile_n: Optional[int] = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Attention for one flat batch of prefill chunks and decodes (layouts: module docstring).
 
     `max_query_len` (a host int the runner knows) only picks the tile shape: 16-row tiles when
@@ -184,13 +194,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        num_seqs, scale * LOG2E,
+        num_seqs, *_score_args(scale, window, softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_SIZE=block_size, TILE_N=tile_n or _tile_n(block_size),
-        PRECISION=_precision(q), UPCAST=q.device.type == "cpu", num_warps=4)
+        SOFTCAP=softcap > 0, PRECISION=_precision(q), UPCAST=q.device.type == "cpu", num_warps=4)
     return out
 
 
@@ -236,12 +246,12 @@ def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, max_sp
 @triton.jit
 def _decode_split_kernel(
         out_ptr, part_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        num_splits, qk_scale,
+        num_splits, qk_scale, window, cap_log2e,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     # One program: one sequence's single query token x the GROUP heads of one KV head (rows
     # padded to BLOCK_M >= 16 for tl.dot) over one split of its keys.
@@ -249,10 +259,13 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    # Each sequence splits its own length into num_splits tile-aligned pieces, so one grid
-    # (and one captured graph) serves any context length.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
-    kv_start = split * split_len
+    # Each sequence splits the keys it sees (its last `window` in a window) into num_splits
+    # tile-aligned pieces, so one grid (and one captured graph) serves any context length.
+    first = 0
+    if window > 0:
+        first = tl.maximum(seq_len - window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), TILE_N) * TILE_N
+    kv_start = first + split * split_len
     kv_end = tl.minimum(kv_start + split_len, seq_len)
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -270,8 +283,8 @@ def _decode_split_kernel(
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, q_pos, block_tables_ptr + seq * stride_bt,
         k_cache_ptr + kv_head * stride_kh, v_cache_ptr + kv_head * stride_vh, kv_start, kv_end,
-        stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, offs_d, d_mask,
-        BLOCK_SIZE, TILE_N, False, PRECISION, UPCAST)
+        stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, 0, cap_log2e, offs_d, d_mask,
+        BLOCK_SIZE, TILE_N, False, SOFTCAP, PRECISION, UPCAST)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
@@ -310,7 +323,8 @@ def _decode_reduce_kernel(
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, num_splits: int,
                            workspace: Optional[DecodeWorkspace] = None, out: Optional[torch.Tensor] = None,
-                           tile_n: Optional[int] = None, num_warps: int = 4) -> torch.Tensor:
+                           tile_n: Optional[int] = None, num_warps: int = 4, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     """Decode attention, one query token per sequence: q [B, Hq, D] (row i is sequence i),
     seq_lens [B], block_tables [B, max_blocks]; returns out [B, Hq, D].
 
@@ -340,14 +354,14 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
     head_dim_pad = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, part, lse, q, k_cache, v_cache, block_tables, seq_lens,
-        num_splits, scale * LOG2E,
+        num_splits, *_score_args(scale, window, softcap),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         part.stride(0), part.stride(1), part.stride(2) if split else 0, lse.stride(0), lse.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
-        TILE_N=tile_n or _tile_n(block_size), SPLIT=split,
+        TILE_N=tile_n or _tile_n(block_size), SPLIT=split, SOFTCAP=softcap > 0,
         PRECISION=_precision(q), UPCAST=q.device.type == "cpu", num_warps=num_warps)
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -357,6 +371,15 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             SPLITS_PAD=max(2, triton.next_power_of_2(workspace.max_splits)), num_warps=4)
     return out
+
+
+def _score_args(scale: float, window: int, softcap: float) -> tuple[float, int, float]:
+    """The kernels' (qk_scale, window, cap_log2e) for a scale, sliding window and soft cap."""
+    if window < 0 or softcap < 0:
+        raise ValueError(f"window ({window}) and softcap ({softcap}) must be >= 0")
+    if softcap > 0:
+        return scale / softcap, window, softcap * LOG2E
+    return scale * LOG2E, window, 0.0
 
 
 def _tile_n(block_size: int) -> int:
@@ -391,7 +414,8 @@ def _check_layouts(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
 
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
-                        seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+                        seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                        window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Plain torch, one sequence at a time, in float32; rows outside every sequence are zero."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -407,8 +431,13 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc
         v = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=q.device)
-        hidden = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]
+        keys = torch.arange(seq_len, device=q.device)[None, :]
+        hidden = keys > q_pos[:, None]
+        if window:
+            hidden |= keys <= q_pos[:, None] - window
         probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
         out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v)
     return out.to(q.dtype)

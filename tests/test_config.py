@@ -154,15 +154,49 @@ def test_max_model_len_above_the_model_context(model_dir):
         Config.from_kwargs(model=model_dir, max_model_len=0)
 
 
-def test_sliding_window_caps_the_context(tmp_path):
+def test_a_sliding_window_does_not_cap_the_context(tmp_path):
+    """Its layers attend within the window past it (they used to attend fully, so the window capped
+    max_model_len)."""
     on = write_config(tmp_path / "on", sliding_window=256)
-    assert Config.from_kwargs(model=on).model.max_model_len == 256
-    with pytest.raises(ValueError, match=r"context length \(256\)"):
-        Config.from_kwargs(model=on, max_model_len=300)
-    off = write_config(tmp_path / "off", sliding_window=256, use_sliding_window=False)
-    assert Config.from_kwargs(model=off).model.max_model_len == 512
-    none = write_config(tmp_path / "none", sliding_window=None)
-    assert Config.from_kwargs(model=none).model.max_model_len == 512
+    assert Config.from_kwargs(model=on).model.max_model_len == 512
+
+
+@pytest.mark.parametrize("config, windows", [
+    ({"sliding_window": 256}, (256, 256, 256, 256)),  # Mistral's, Phi-3's: every layer
+    ({"sliding_window": None}, ()),
+    ({"sliding_window": 256, "use_sliding_window": False}, ()),
+    ({"sliding_window": 256, "max_window_layers": 2}, ()),  # Qwen2's, without use_sliding_window
+    ({"sliding_window": 256, "max_window_layers": 2, "use_sliding_window": True}, (0, 0, 256, 256)),
+    ({"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"] * 2}, (8, 0, 8, 0)),
+    ({"sliding_window": 8, "layer_types": ["full_attention"] * 4}, ()),
+    ({"sliding_window": 8, "sliding_window_pattern": 2}, (8, 0, 8, 0)),  # Gemma 3's older configs
+])
+def test_each_layers_sliding_window_as_transformers_reads_it(config, windows):
+    from streamserve.models.llama import sliding_windows
+
+    assert sliding_windows({"num_hidden_layers": 4, **config}, 0) == windows
+
+
+def test_which_architectures_read_the_sliding_window():
+    """As transformers: Mistral's layers (and Phi-3's, Qwen2's, Gemma 2's and 3's) attend within
+    config.json's sliding_window; Llama's ignore it."""
+    from streamserve.models.registry import build_model
+
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "vocab_size": 100, "sliding_window": 32}
+    with torch.device("meta"):
+        assert build_model({**cfg, "architectures": ["MistralForCausalLM"]}).arch.layer_windows == (32, 32)
+        assert build_model({**cfg, "architectures": ["LlamaForCausalLM"]}).arch.layer_windows == ()
+
+
+def test_gemmas_window_patterns_without_layer_types():
+    from streamserve.models.llama import sliding_windows
+
+    cfg = {"num_hidden_layers": 7, "sliding_window": 16}
+    assert sliding_windows(cfg, 2) == (16, 0, 16, 0, 16, 0, 16)  # Gemma 2: every other layer full
+    assert sliding_windows(cfg, 6) == (16, 16, 16, 16, 16, 0, 16)  # Gemma 3: every sixth
+    with pytest.raises(ValueError, match="layer_types names 2 layers, the model has 7"):
+        sliding_windows({**cfg, "layer_types": ["full_attention"] * 2}, 0)
 
 
 # -- cache settings ------------------------------------------------------------------------------

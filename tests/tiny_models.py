@@ -51,7 +51,8 @@ def build_tokenizer(path: str) -> None:
 
 
 def _config(arch: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     kwargs = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -70,15 +71,26 @@ def _config(arch: str, **overrides):
         kwargs.update(tie_word_embeddings=True, head_dim=32, use_sliding_window=False)
     elif arch == "phi3":  # its checkpoint stores q/k/v and gate/up fused
         kwargs.update(tie_word_embeddings=False, sliding_window=None, original_max_position_embeddings=512)
+    elif arch == "gemma":
+        kwargs.update(tie_word_embeddings=True, head_dim=16)
+    elif arch == "gemma2":  # a window of 16 in every other layer, soft-capped scores and logits
+        kwargs.update(tie_word_embeddings=True, head_dim=16, num_hidden_layers=3, sliding_window=16,
+                      query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    elif arch == "gemma3":  # q/k norms, windows of 16 with their own rotary base
+        kwargs.update(tie_word_embeddings=True, head_dim=16, num_hidden_layers=3, sliding_window=16,
+                      query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention",
+                                                             "sliding_attention"],
+                      rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                       "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     else:
         raise ValueError(arch)
     kwargs.update(overrides)
     kind = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-            "phi3": Phi3Config}
+            "phi3": Phi3Config, "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
     return kind[arch](**kwargs)
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3")
 
 
 def build_model(path: str, arch: str, seed: int = 0, max_shard_size: Optional[str] = None,
@@ -94,6 +106,10 @@ def build_model(path: str, arch: str, seed: int = 0, max_shard_size: Optional[st
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0, 0.1)
+        if arch.startswith("gemma"):  # and Gemma's norms (1 + weight): not the zeros they start as
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0, 0.2)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     build_tokenizer(path)

@@ -266,7 +266,7 @@ class CpuKernels:
         self._norm.restype = None
         self._decode = lib.paged_decode_attention
         self._decode.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 5
-                                 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long])
+                                 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long, ctypes.c_long])
         self._decode.restype = None
         self._prefill = lib.paged_prefill_attention
         self._prefill.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 6
@@ -296,17 +296,18 @@ class CpuKernels:
         return out
 
     def paged_decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                               seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                               seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
         """q [B, Hq, D] or [B, Hq * D] float32 (rows may be strided, as slices of the fused QKV
         output are), cache [2, num_blocks, block_size, Hkv, D] float32 or float16, block_tables
-        [B, W] and seq_lens [B] int64 -> [B, Hq * D]: each row's single query against its sequence's keys.
+        [B, W] and seq_lens [B] int64 -> [B, Hq * D]: each row's single query against its sequence's keys
+        (its last `window` keys, with a sliding window > 0).
         The tables must cover each sequence's length (the runner builds them so)."""
         num_heads, out = self._check_attention(q, cache, block_tables, seq_lens, q.shape[0])
         _, _, block_size, num_kv_heads, head_dim = cache.shape
         self._decode(q.data_ptr(), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
                      block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
                      q.shape[0], num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
-                     cache.dtype == torch.float16)
+                     cache.dtype == torch.float16, max(window, 0))
         return out
 
     def paged_prefill_attention(self, q: torch.Tensor, cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -644,6 +645,8 @@ class StepForward:
     def unsupported(model, kv_caches: list[torch.Tensor]) -> Optional[str]:
         """Why `model` with these caches cannot take the C step, or None when it can."""
         arch = model.arch
+        if arch.not_llama():
+            return arch.not_llama()
         if not fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim) or arch.head_dim % 2:
             return f"heads {arch.num_heads}/{arch.num_kv_heads} of {arch.head_dim}"
         if any(t.dtype not in KV_CACHE_DTYPES or t.dtype != kv_caches[0].dtype or t.device.type != "cpu"

@@ -103,7 +103,7 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype, vocab_size: 
     window = get("attention.sliding_window")
     if not window and arch == "phi3" and config["max_position_embeddings"] <= 4096:
         window = 2047  # the 4k models' own, in files written before llama.cpp stored it (Microsoft's)
-    if window:  # full attention is exact within it: it caps the context
+    if window:  # (a Phi-3's layers attend within it; transformers' Llama, as llama.cpp's, ignores it)
         config["sliding_window"] = window
     rotary = get("rope.dimension_count")
     if rotary and rotary != config["head_dim"]:

@@ -145,6 +145,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
     """Rotary inverse frequencies, with Llama-3-style or linear scaling."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -235,6 +245,7 @@ class ForwardContext:
     rotate: Rotate
     low_precision: bool = False
     lora: Optional["LoRAStep"] = None  # the step's LoRA adapters (lora/step.py), if any
+    rotate_local: Optional[Rotate] = None  # Gemma 3's windowed layers' rotary (their own base)
 
     def linear(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         """layer(x), and the step's adapters of that layer added to their requests' rows."""

@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3) as one module, for a flat token batch.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1-3) as one module, for a flat token batch.
 
 Inputs are one flat batch of tokens from many requests (no padding between
 them). Attention is whatever callable the runner passes in for the step: it
@@ -8,6 +8,12 @@ itself holds no per-step state.
 Weights are fused where the checkpoint keeps them apart: q/k/v into one
 `qkv_proj` and gate/up into one `gate_up_proj`, so a layer is four GEMMs (Phi-3's
 checkpoints store them fused so already).
+
+Gemma differs in small ways, each a field of LlamaArch: its norms scale by (1 + weight) (folded
+into the weights as they load), its embedding is scaled by sqrt(hidden), its MLP is GELU-gated;
+Gemma 2 and 3 add a norm after attention and around the MLP (`sandwich_norms`), their own
+attention scale, sliding-window layers (`layer_windows`, Gemma 3's with their own rotary base),
+and Gemma 2 tanh soft-caps its attention scores and final logits.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from torch import nn
 
 from streamserve.models.layers import (AttentionFn, ForwardContext, Linear, PackedEmbedding, RMSNorm,
-                                       RotaryEmbedding, silu_and_mul)
+                                       RotaryEmbedding, gelu_and_mul, gelu_tanh_and_mul, silu_and_mul)
 from streamserve.lora.adapter import LoRATarget
 from streamserve.lora.step import LoRAStep
 from streamserve.models.quantized import QuantizedWeight
@@ -49,14 +55,36 @@ class LlamaArch:
     qk_norm: bool
     o_bias: bool = False  # Llama's and Qwen3's attention_bias (Qwen2's covers q, k and v only)
     mlp_bias: bool = False
+    hidden_act: str = "silu"  # the gate's activation: silu, or gelu (exact) or gelu_tanh (Gemma)
+    norm_offset: bool = False  # the checkpoint's norms scale by 1 + weight (Gemma)
+    embed_scale: float = 1.0  # the embedding's rows times this (Gemma: sqrt(hidden))
+    sandwich_norms: bool = False  # norms after attention and before and after the MLP (Gemma 2, 3)
+    attn_scale: Optional[float] = None  # the scores' scale, if not head_dim ** -0.5
+    layer_windows: tuple[int, ...] = ()  # per layer: the keys it sees (0: all), or () for all layers
+    local_rope_theta: Optional[float] = None  # the rotary base of the windowed layers, if their own (Gemma 3)
+    attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: Optional[float] = None  # the same for the logits
 
     @classmethod
-    def from_hf_config(cls, cfg: dict, qkv_bias: bool, qk_norm: bool) -> "LlamaArch":
+    def from_hf_config(cls, cfg: dict, qkv_bias: bool, qk_norm: bool, gemma: int = 0,
+                       windowed: bool = True) -> "LlamaArch":
+        """`gemma`: the Gemma generation (1-3) the checkpoint is, else 0; `windowed`: whether the
+        architecture reads config.json's sliding_window."""
         heads = cfg["num_attention_heads"]
         rope_params = cfg.get("rope_parameters") or {}
+        local_theta = None
+        if "full_attention" in rope_params:  # one set per layer type (transformers 5's Gemma 3)
+            local_theta = (rope_params.get("sliding_attention") or {}).get("rope_theta")
+            rope_params = rope_params["full_attention"] or {}
+        elif gemma == 3:
+            local_theta = cfg.get("rope_local_base_freq", 10000.0)
         scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in
                                               (None, "default") else None)
         theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+        act = (cfg.get("hidden_activation") if gemma >= 2 else None) or cfg.get("hidden_act") or "silu"
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        scalar = cfg.get("query_pre_attn_scalar") if gemma >= 2 else None
+        windows = sliding_windows(cfg, 2 if gemma == 2 else 6 if gemma == 3 else 0) if windowed else ()
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -64,7 +92,7 @@ class LlamaArch:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
@@ -74,7 +102,66 @@ class LlamaArch:
             qk_norm=qk_norm,
             o_bias=bool(cfg.get("attention_bias", False)) and not qkv_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            hidden_act=_ACTIVATIONS.get(act, act),
+            norm_offset=gemma > 0,
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
+            sandwich_norms=gemma >= 2,
+            attn_scale=float(scalar) ** -0.5 if scalar else None,
+            layer_windows=windows,
+            local_rope_theta=float(local_theta) if local_theta and any(windows) else None,
+            attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
         )
+
+    @property
+    def scale(self) -> float:
+        """The attention scores' scale."""
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    def window(self, layer_idx: int) -> int:
+        """The keys layer `layer_idx` attends to before each query's own position and it (0: all)."""
+        return self.layer_windows[layer_idx] if self.layer_windows else 0
+
+    def not_llama(self) -> Optional[str]:
+        """What of this model a plain Llama lacks (the C step and the C attention run Llamas), or None."""
+        if self.hidden_act != "silu":
+            return f"its MLP is gated by {self.hidden_act}"
+        if self.norm_offset or self.embed_scale != 1.0 or self.sandwich_norms or self.final_softcap:
+            return "it is a Gemma (its norms, embedding or logits differ)"
+        if any(self.layer_windows) or self.attn_softcap or self.attn_scale is not None:
+            return "its attention has sliding windows, soft-capped scores or its own scale"
+        return None
+
+
+# config.json's activation names -> the model's (gelu_pytorch_tanh and gelu_new are both GELU's tanh form)
+_ACTIVATIONS = {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+
+
+def sliding_windows(cfg: dict, every: int) -> tuple[int, ...]:
+    """Each layer's sliding window (0 for a full-attention layer), or () when none has one: as
+    config.json's layer_types say, else every `every`-th layer full (Gemma 2: 2, Gemma 3: 6), else
+    Qwen2's layers from max_window_layers on (where use_sliding_window), else all (Mistral, Phi-3)."""
+    window = cfg.get("sliding_window")
+    n = cfg["num_hidden_layers"]
+    if not window or cfg.get("use_sliding_window") is False:
+        return ()
+    window = int(window)
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != n:
+            raise ValueError(f"layer_types names {len(types)} layers, the model has {n}")
+        windows = [window if kind == "sliding_attention" else 0 for kind in types]
+    elif every or cfg.get("sliding_window_pattern"):
+        every = cfg.get("sliding_window_pattern") or every
+        windows = [0 if (i + 1) % every == 0 else window for i in range(n)]
+    elif "max_window_layers" in cfg:  # Qwen2's: windows only with use_sliding_window
+        if not cfg.get("use_sliding_window"):
+            return ()
+        windows = [window if i >= cfg["max_window_layers"] else 0 for i in range(n)]
+    else:
+        windows = [window] * n
+    return tuple(windows) if any(windows) else ()
 
 
 class LlamaAttention(nn.Module):
@@ -88,6 +175,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        # a windowed layer of Gemma 3 rotates by its own base (ForwardContext.rotate_local)
+        self.local_rope = arch.local_rope_theta is not None and arch.window(layer_idx) > 0
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = ctx.linear(self.qkv_proj, x)
@@ -97,7 +186,7 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), 1)
-        qk = ctx.rotate(qk, self.num_heads)
+        qk = (ctx.rotate_local if self.local_rope else ctx.rotate)(qk, self.num_heads)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = ctx.attention(self.layer_idx, q, k, v)
         return ctx.linear(self.o_proj, out)
@@ -108,7 +197,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
-        self.act = silu_and_mul  # or streamserve_kernels.activation.silu_and_mul (use_kernels)
+        # silu_and_mul: or streamserve_kernels.activation.silu_and_mul (use_kernels)
+        self.act = {"silu": silu_and_mul, "gelu": gelu_and_mul, "gelu_tanh": gelu_tanh_and_mul}[arch.hidden_act]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return ctx.linear(self.down_proj, self.act(ctx.linear(self.gate_up_proj, x)))
@@ -121,16 +211,30 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # Gemma 2 and 3: attention's output is normed before the residual add, and the MLP's
+        # input and output each (post_attention_layernorm is then the first of those three)
+        self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
+        if arch.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def norms(self) -> list[RMSNorm]:
+        return [n for n in (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                            self.post_feedforward_layernorm) if n is not None]
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext):
+        """(hidden, residual) -> the next layer's: the residual stream is their sum."""
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden, ctx), residual
+        if self.pre_feedforward_layernorm is None:
+            hidden, residual = self.post_attention_layernorm(hidden, residual)
+            return self.mlp(hidden, ctx), residual
+        hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden, ctx)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -142,6 +246,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope_theta, arch.rope_scaling)
+        # Gemma 3's windowed layers: their own base, unscaled
+        self.rotary_local = (RotaryEmbedding(arch.head_dim, arch.max_position, arch.local_rope_theta, None)
+                             if arch.local_rope_theta is not None else None)
         # its weight given, so that it is not drawn at random: load_model builds on the meta device,
         # where torch's normal_ imports torch._dynamo (1.5-2 s of the start-up) to fill nothing
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
@@ -163,8 +270,11 @@ class LlamaForCausalLM(nn.Module):
                 low_precision: bool = False, lora: Optional[LoRAStep] = None) -> torch.Tensor:
         """Hidden states after the final norm, one row per input token; `lora`: the step's
         adapters, added to the linear layers' outputs of their requests' rows."""
-        ctx = ForwardContext(attention, self.rotary.for_step(positions), low_precision, lora)
+        ctx = ForwardContext(attention, self.rotary.for_step(positions), low_precision, lora,
+                             self.rotary_local.for_step(positions) if self.rotary_local is not None else None)
         hidden = self.embed_tokens(input_ids)
+        if self.arch.embed_scale != 1.0:  # (the scale in the model's dtype, as transformers takes it)
+            hidden = hidden * torch.tensor(self.arch.embed_scale, dtype=hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, ctx)
@@ -172,7 +282,12 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
-        return self.lm_head(hidden, low_precision)
+        logits = self.lm_head(hidden, low_precision)
+        cap = self.arch.final_softcap
+        return logits if not cap else torch.tanh(logits / cap).mul_(cap)
+
+    def rotaries(self) -> list[RotaryEmbedding]:
+        return [r for r in (self.rotary, self.rotary_local) if r is not None]
 
     def use_kernels(self) -> None:
         """Run the small ops with the Triton kernels of streamserve_kernels (the GPU path):
@@ -180,17 +295,20 @@ class LlamaForCausalLM(nn.Module):
         of Qwen3 (over [T, H, D] views) stay torch ops."""
         from streamserve_kernels import activation, norm, rotary
 
-        self.rotary.kernel = rotary.rotary_embedding
+        for r in self.rotaries():
+            r.kernel = rotary.rotary_embedding
         self.use_norm_kernels(norm)
         for layer in self.layers:
-            layer.mlp.act = activation.silu_and_mul
+            if self.arch.hidden_act == "silu":
+                layer.mlp.act = activation.silu_and_mul
 
     def use_norm_kernels(self, kernels) -> None:
         """Layer norms through `kernels.rms_norm` / `kernels.fused_add_rms_norm`: Triton's
         (streamserve_kernels.norm) or the CPU's C kernel (models/cpu_kernels.py, float32)."""
         self.norm.kernels = kernels
         for layer in self.layers:
-            layer.input_layernorm.kernels = layer.post_attention_layernorm.kernels = kernels
+            for norm in layer.norms():
+                norm.kernels = kernels
 
     def keep_copies(self, dtype: torch.dtype, gemm=None, packed_max_rows: int = 0, row_major: bool = True,
                     drop_full: bool = False, rows=None) -> None:
@@ -312,6 +430,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"the model expects {tuple(dest.shape)}")
             dest.copy_(tensor)
+            if self.arch.norm_offset and target.endswith("norm.weight"):
+                dest += 1.0  # Gemma's norms scale by 1 + weight
             fused = target.split(".")[-2]
             if offset_rows is None and fused in ("qkv_proj", "gate_up_proj"):  # stored fused (Phi-3): every shard
                 loaded.update(f"{target}#{shard}" for shard in range(len(self.shard_sizes(fused))))

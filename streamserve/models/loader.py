@@ -70,5 +70,6 @@ def load_model(model_config: ModelConfig, device: torch.device,
         fill_random(model, model_config.seed)
     else:
         model.load_weights(iterate_safetensors(model_config.model))
-    model.rotary.build_cache(device, dtype)
+    for rotary in model.rotaries():
+        rotary.build_cache(device, dtype)
     return model.eval().requires_grad_(False)

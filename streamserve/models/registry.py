@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from streamserve.models.llama import LlamaArch, LlamaForCausalLM
+from streamserve.models.llama import _ACTIVATIONS, ACTIVATIONS, LlamaArch, LlamaForCausalLM
 
-# architecture name in config.json -> (q/k/v projections carry a bias, per-head q/k RMSNorm)
+# architecture name in config.json -> (q/k/v projections carry a bias, per-head q/k RMSNorm,
+# Gemma's generation or 0, config.json's sliding_window is read: transformers' Llama ignores it)
 _ARCHITECTURES = {
-    "LlamaForCausalLM": (False, False),
-    "MistralForCausalLM": (False, False),
-    "Qwen2ForCausalLM": (True, False),
-    "Qwen3ForCausalLM": (False, True),
-    "Phi3ForCausalLM": (False, False),  # Llama's layers, its q/k/v and gate/up stored fused
+    "LlamaForCausalLM": (False, False, 0, False),
+    "MistralForCausalLM": (False, False, 0, True),
+    "Qwen2ForCausalLM": (True, False, 0, True),
+    "Qwen3ForCausalLM": (False, True, 0, True),
+    "Phi3ForCausalLM": (False, False, 0, True),  # Llama's layers, its q/k/v and gate/up stored fused
+    "GemmaForCausalLM": (False, False, 1, False),
+    "Gemma2ForCausalLM": (False, False, 2, True),
+    "Gemma3ForCausalLM": (False, True, 3, True),  # the text-only checkpoints (270M, 1B)
 }
 
 
@@ -20,9 +24,6 @@ def supported_architectures() -> list[str]:
 
 def build_model(hf_config: dict) -> LlamaForCausalLM:
     """An unloaded model for this config, or a clear error for an unknown architecture."""
-    act = hf_config.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):  # the kernels (C, Triton) all compute SiLU-and-mul
-        raise ValueError(f"hidden_act {act!r} is not supported: streamserve runs SiLU-gated MLPs")
     rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
     partial = hf_config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
     if partial != 1.0:  # (Phi-4-mini's 0.75) the kernels rotate every dimension of a head
@@ -30,7 +31,12 @@ def build_model(hf_config: dict) -> LlamaForCausalLM:
     archs = hf_config.get("architectures") or []
     for name in archs:
         if name in _ARCHITECTURES:
-            qkv_bias, qk_norm = _ARCHITECTURES[name]
-            return LlamaForCausalLM(LlamaArch.from_hf_config(hf_config, qkv_bias, qk_norm))
+            qkv_bias, qk_norm, gemma, windowed = _ARCHITECTURES[name]
+            arch = LlamaArch.from_hf_config(hf_config, qkv_bias, qk_norm, gemma, windowed)
+            if arch.hidden_act not in ACTIVATIONS:
+                key = "hidden_activation" if gemma >= 2 else "hidden_act"
+                raise ValueError(f"{key} {arch.hidden_act!r} is not supported: streamserve runs MLPs gated by "
+                                 + ", ".join(sorted(set(_ACTIVATIONS) | set(ACTIVATIONS) - {"gelu_tanh"})))
+            return LlamaForCausalLM(arch)
     raise ValueError(f"model architecture {archs or '(none given)'} is not supported; "
                      f"streamserve runs {', '.join(supported_architectures())}")

@@ -13,6 +13,10 @@ prefill chunks. Per layer:
      C kernels load, read in place by models/csrc/cpu_kernels.c);
   3. each prefill chunk attends causally to its earlier tokens (from the cache)
      and to itself (or, where the C kernels load, all chunks at once, read in place).
+
+A layer with a sliding window W (Mistral, Gemma 2 and 3) lets the query at position p see keys
+p - W + 1 .. p; Gemma 2's scores go through cap * tanh(scores / cap) before the softmax, which
+torch's fused attention cannot do, so its layers take the plain product (`_attend`).
 """
 
 from __future__ import annotations
@@ -47,24 +51,32 @@ class AttentionMetadata:
     prefill_query_start_loc: Optional[torch.Tensor] = None
     prefill_block_tables: Optional[torch.Tensor] = None
     prefill_seq_lens: Optional[torch.Tensor] = None
+    # per sliding window of the model's layers: decode_mask that also hides the keys before it
+    decode_window_masks: Optional[dict[int, Optional[torch.Tensor]]] = None
 
 
 class TorchPagedAttention:
     """The per-step attention callable the model calls once per layer."""
 
     def __init__(self, kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
-                 num_heads: int, num_kv_heads: int, head_dim: int, kernels=None, bf16_dot: bool = False) -> None:
+                 num_heads: int, num_kv_heads: int, head_dim: int, kernels=None, bf16_dot: bool = False,
+                 scale: Optional[float] = None, windows: tuple[int, ...] = (), softcap: Optional[float] = None) -> None:
+        """scale: the scores' (default head_dim ** -0.5); windows: each layer's sliding window
+        (0: none), or () for none; softcap: the scores' tanh cap, if any."""
         self.kv_caches = kv_caches
         self.kernels = kernels  # models.cpu_kernels.CpuKernels, for the decodes with decode_seq_lens
         self.bf16_dot = bf16_dot  # whether the C prefill attention takes bfloat16 dot products
         self.meta = metadata
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = head_dim ** -0.5
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.windows, self.softcap = windows, softcap
+        self.window = 0  # the current layer's
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
                  v: torch.Tensor) -> torch.Tensor:
         cache = self.kv_caches[layer_idx]
+        self.window = self.windows[layer_idx] if self.windows else 0
         write_kv(cache, k, v, self.meta.slot_mapping)
         nd, prefills = self.meta.num_decodes, self.meta.prefills
         if not prefills and self.meta.prefill_seq_lens is None:  # the common pure-decode step: no output to fill
@@ -86,21 +98,21 @@ class TorchPagedAttention:
         b = q.shape[0]
         tables = self.meta.decode_block_tables  # [B, nb], flattened for index_select
         if self.meta.decode_seq_lens is not None:
-            return self.kernels.paged_decode_attention(q, cache, tables, self.meta.decode_seq_lens, self.scale)
+            return self.kernels.paged_decode_attention(q, cache, tables, self.meta.decode_seq_lens, self.scale,
+                                                       self.window)
         # [B * nb, bs, Hkv, D] -> [B, Hkv, L, D]
         shape = (b, -1, self.num_kv_heads, self.head_dim)
         k = cache[0].index_select(0, tables.view(-1)).view(shape).transpose(1, 2).to(q.dtype)
         v = cache[1].index_select(0, tables.view(-1)).view(shape).transpose(1, 2).to(q.dtype)
         qh = q.reshape(b, self.num_heads, 1, self.head_dim)
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=self.meta.decode_mask,
-                                             scale=self.scale, enable_gqa=self.group > 1)
-        return out.reshape(b, self.num_heads * self.head_dim)
+        mask = self.meta.decode_window_masks[self.window] if self.window else self.meta.decode_mask
+        return self._attend(qh, k, v, mask, False).reshape(b, self.num_heads * self.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cache: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
         n = q.shape[0]
         ctx = chunk.num_computed_tokens
-        if ctx == 0 and cache.dtype == q.dtype:
+        if ctx == 0 and cache.dtype == q.dtype and (not self.window or n <= self.window):
             mask, causal = None, True
         else:
             # The whole sequence so far from the cache (this chunk was just written; read back
@@ -108,15 +120,32 @@ class TorchPagedAttention:
             seq_len = ctx + n
             k = cache[0].index_select(0, chunk.block_ids).flatten(0, 1)[:seq_len].to(q.dtype)
             v = cache[1].index_select(0, chunk.block_ids).flatten(0, 1)[:seq_len].to(q.dtype)
-            # Query j sits at position ctx + j and sees keys 0 .. ctx + j.
+            # Query j sits at position ctx + j and sees keys 0 .. ctx + j (from ctx + j - W + 1 in a window).
             mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=ctx)
+            if self.window:
+                mask.triu_(diagonal=ctx - self.window + 1)
             causal = False
         # [1, H, n, D]: with a batch dimension torch runs its flash kernel on the CPU; without
         # one it fell back to the math path (a 512-token chunk: 27 -> 12 ms a layer)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-            is_causal=causal, scale=self.scale, enable_gqa=self.group > 1)
+        out = self._attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask, causal)
         return out[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                causal: bool) -> torch.Tensor:
+        """q [B, Hq, n, D] over k, v [B, Hkv, L, D]; mask: boolean (True: seen) or additive."""
+        if not self.softcap:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale,
+                                                  enable_gqa=self.group > 1)
+        if self.group > 1:
+            k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
+        scores = torch.tanh((q @ k.transpose(-1, -2)).mul_(self.scale / self.softcap)).mul_(self.softcap)
+        if causal:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        if mask is not None and mask.dtype == torch.bool:
+            scores.masked_fill_(~mask, float("-inf"))
+        elif mask is not None:
+            scores += mask
+        return scores.softmax(-1) @ v
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -136,8 +136,13 @@ class ModelRunner:
         if self.c_kernels is not None:
             self.model.use_norm_kernels(kernels)
         arch = self.model.arch
-        self.cpu_attention = self.c_kernels is not None and cpu_kernels.fits_decode_attention(
-            arch.num_heads, arch.num_kv_heads, arch.head_dim)
+        # the distinct sliding windows of the layers
+        self.windows = sorted(set(arch.layer_windows) - {0})
+        # whether the decodes' and the prefill chunks' attention take the C kernels: not for
+        # soft-capped scores (Gemma 2), and the prefill's not for a sliding window
+        self.cpu_attention = (self.c_kernels is not None and not arch.attn_softcap
+                              and cpu_kernels.fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim))
+        self.cpu_prefill_attention = self.cpu_attention and not self.windows
         # A bfloat16 checkpoint, where the C kernels take bfloat16 dot products (AVX512-BF16): the
         # GEMM of its larger steps and its prefill attention do (x, q, K, V rounded to bfloat16).
         self.bf16_dot = (self.c_kernels is not None and low_precision == torch.bfloat16
@@ -530,11 +535,12 @@ class ModelRunner:
     # -- attention metadata, per backend -------------------------------------------
 
     def _attention(self, meta, kv_caches: list[torch.Tensor]):
+        arch = self.model.arch
         if self.triton:
             return TritonPagedAttention(kv_caches, meta, self.num_heads, self.num_kv_heads, self.head_dim,
-                                        self.workspace)
+                                        self.workspace, arch.scale, arch.layer_windows, arch.attn_softcap)
         return TorchPagedAttention(kv_caches, meta, self.num_heads, self.num_kv_heads, self.head_dim,
-                                   self.c_kernels, self.bf16_dot)
+                                   self.c_kernels, self.bf16_dot, arch.scale, arch.layer_windows, arch.attn_softcap)
 
     def _attention_metadata(self, slot_mapping: torch.Tensor, tables: np.ndarray, seq_lens: np.ndarray,
                             nd: int, max_decode_len: int, chunks: list[tuple[int, int]]):
@@ -553,7 +559,7 @@ class ModelRunner:
                 num_decodes=nd, max_query_len=max([1] + [n for n, _ in chunks]), num_splits=num_splits)
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=nd,
                                  decode_block_tables=None, decode_mask=None, prefills=[])
-        if chunks and self.cpu_attention:  # the C kernel takes every chunk at once
+        if chunks and self.cpu_prefill_attention:  # the C kernel takes every chunk at once
             meta.prefill_query_start_loc = self.to_device(loc[nd:] - nd)
             meta.prefill_block_tables = self.to_device(np.ascontiguousarray(tables[nd:]))
             meta.prefill_seq_lens = self.to_device(seq_lens[nd:])
@@ -568,6 +574,7 @@ class ModelRunner:
                 meta.decode_seq_lens = self.to_device(seq_lens[:nd])
             else:
                 meta.decode_mask = self._decode_mask(seq_lens[:nd], max_blocks)
+                meta.decode_window_masks = {w: self._decode_mask(seq_lens[:nd], max_blocks, w) for w in self.windows}
         return meta
 
     # -- CUDA graphs -----------------------------------------------------------------
@@ -591,13 +598,17 @@ class ModelRunner:
         return (self.graphs is not None and meta.num_decodes == num_tokens
                 and num_tokens <= self.graphs.max_batch)
 
-    def _decode_mask(self, seq_lens: np.ndarray, max_blocks: int) -> Optional[torch.Tensor]:
-        """An additive mask hiding the slots past each decode's length, unless every row fills
-        its max_blocks blocks exactly."""
+    def _decode_mask(self, seq_lens: np.ndarray, max_blocks: int, window: int = 0) -> Optional[torch.Tensor]:
+        """An additive mask hiding the slots past each decode's length (and with a sliding
+        `window`, those before its last `window`), unless no row has such slots."""
         width = max_blocks * self.block_size
-        if (seq_lens == width).all():
+        if (seq_lens == width).all() and (not window or (seq_lens <= window).all()):
             return None
-        visible = torch.arange(width, device=self.device) < self.to_device(seq_lens)[:, None]
+        lens = self.to_device(seq_lens)[:, None]
+        slots = torch.arange(width, device=self.device)
+        visible = slots < lens
+        if window:
+            visible &= slots >= lens - window
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible, float("-inf"))
         return mask.view(len(seq_lens), 1, 1, -1)

@@ -15,6 +15,7 @@ TritonPagedAttention does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -33,7 +34,9 @@ class TritonAttentionMetadata:
 
 class TritonPagedAttention:
     def __init__(self, kv_caches: list[torch.Tensor], metadata: TritonAttentionMetadata,
-                 num_heads: int, num_kv_heads: int, head_dim: int, workspace) -> None:
+                 num_heads: int, num_kv_heads: int, head_dim: int, workspace, scale: Optional[float] = None,
+                 windows: tuple[int, ...] = (), softcap: Optional[float] = None) -> None:
+        """scale, windows, softcap: as TorchPagedAttention takes them."""
         from streamserve_kernels import attention, cache
 
         self.write, self.mixed, self.decode = (cache.reshape_and_cache, attention.paged_attention,
@@ -41,18 +44,20 @@ class TritonPagedAttention:
         self.kv_caches = kv_caches
         self.meta = metadata
         self.num_heads, self.head_dim = num_heads, head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = scale if scale is not None else head_dim ** -0.5
+        self.windows, self.softcap = windows, softcap or 0.0
         self.workspace = workspace
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache, meta = self.kv_caches[layer_idx], self.meta
         self.write(k, v, cache, meta.slot_mapping)
         num_tokens, nd = q.shape[0], meta.num_decodes
+        window = self.windows[layer_idx] if self.windows else 0
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         if nd:
             self.decode(q[:nd], cache, meta.seq_lens[:nd], meta.block_tables[:nd], self.scale,
-                        meta.num_splits, self.workspace, out=out[:nd])
+                        meta.num_splits, self.workspace, out=out[:nd], window=window, softcap=self.softcap)
         if num_tokens > nd:
             self.mixed(q, cache, meta.query_start_loc[nd:], meta.seq_lens[nd:], meta.block_tables[nd:],
-                       self.scale, meta.max_query_len, out=out)
+                       self.scale, meta.max_query_len, out=out, window=window, softcap=self.softcap)
         return out.view(num_tokens, self.num_heads * self.head_dim)

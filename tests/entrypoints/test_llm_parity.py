@@ -92,12 +92,34 @@ def test_biases_as_transformers_places_them(tmp_path, arch, setting):
     check_parity(LLM(path, dtype="float32", kv_cache_memory="32MiB"), path, num_prompts=3, new_tokens=8)
 
 
-def test_an_activation_other_than_silu_is_refused(tmp_path):
+def test_a_gelu_gated_llama_runs_and_other_activations_are_refused(tmp_path):
+    """hidden_act as transformers reads it: Llama's MLP gated by GELU runs (as Gemma's is), an
+    activation no path computes is refused by name."""
     from tiny_models import build_model
 
     path = build_model(str(tmp_path / "gelu"), "llama", hidden_act="gelu")
-    with pytest.raises(ValueError, match="hidden_act 'gelu' is not supported"):
+    check_parity(LLM(path, dtype="float32", kv_cache_memory="32MiB"), path, num_prompts=3, new_tokens=8)
+    path = build_model(str(tmp_path / "relu"), "llama", hidden_act="relu")
+    with pytest.raises(ValueError, match="hidden_act 'relu' is not supported"):
         LLM(path, dtype="float32", kv_cache_memory="32MiB")
+
+
+@pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 24},
+                                      {"max_model_len": 128, "num_gpu_blocks_override": 10}],
+                         ids=["whole", "chunked", "preempted"])
+def test_sliding_window_parity(tmp_path, settings):
+    """Mistral with a window of 16 keys in every layer, on prompts and replies past it: each query
+    sees only its last 16 keys, as in transformers, whether the prompt is read whole, in chunks
+    or again after preemption."""
+    from tiny_models import build_model
+
+    path = build_model(str(tmp_path / "mistral"), "mistral", sliding_window=16)
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", **settings)
+    runner = llm.engine_core.model_runner
+    assert runner.windows == [16]
+    # the decodes' window read by the C kernel where it loads; the prefill chunks' masked by torch
+    assert runner.cpu_attention == (runner.c_kernels is not None) and not runner.cpu_prefill_attention
+    check_parity(llm, path)
 
 
 def test_rotaries_the_kernels_do_not_compute_are_refused(tmp_path):

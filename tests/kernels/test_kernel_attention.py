@@ -156,3 +156,57 @@ def test_kernel_step_and_reference_match_the_engine(gen, device):
     assert rel_err(ref[:n], engine_out) < 1e-5
     assert rel_err(out[:n], engine_out) < TOLERANCE[torch.float32]
     assert out[n:].isnan().all()
+
+
+# (window, softcap): a window inside one block, one crossing blocks, one past every sequence; a cap
+WINDOWS = [(5, 0.0), (21, 0.0), (1000, 0.0), (0, 1.5), (7, 1.5)]
+
+
+@pytest.mark.parametrize("window, softcap", WINDOWS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_windows_and_soft_caps_match_reference(gen, device, dtype, window, softcap):
+    """Sliding windows (Mistral, Gemma) and soft-capped scores (Gemma 2), in the mixed kernel and
+    the split decode kernel (whose splits then cover only the window)."""
+    hq, hkv, d, bs = 4, 1, 32, 16
+    b = make_paged_batch(gen, mixed_seqs(bs), hq, hkv, d, bs, dtype, device, num_padding=2)
+    n, nd = b.num_real_tokens, 3
+    ref = paged_attention_ref(b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, 0.2, window, softcap)
+    mixed = torch.full_like(b.q, float("nan"))
+    paged_attention(b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, 0.2, b.max_query_len,
+                    out=mixed, window=window, softcap=softcap)
+    assert rel_err(mixed[:n], ref[:n]) < TOLERANCE[dtype]
+    assert mixed[n:].isnan().all()
+    decode = torch.full_like(b.q[:nd], float("nan"))
+    paged_decode_attention(b.q[:nd], b.kv_cache, b.seq_lens[:nd], b.block_tables[:nd], 0.2, num_splits=3,
+                           workspace=DecodeWorkspace.allocate(4, hq, d, 4, device), out=decode, tile_n=16,
+                           window=window, softcap=softcap)
+    assert rel_err(decode, ref[:nd]) < TOLERANCE[dtype]
+    full = paged_attention_ref(b.q, b.kv_cache, b.query_start_loc, b.seq_lens, b.block_tables, 0.2)
+    if window < 100 or softcap:  # (a window past every sequence changes nothing)
+        assert rel_err(full[:n], ref[:n]) > 1e-2
+
+
+@pytest.mark.parametrize("window, softcap", WINDOWS)
+def test_the_engines_cpu_path_windows_and_caps_as_the_reference(gen, device, window, softcap):
+    """TorchPagedAttention (the CPU path, its masks and its plain product for a cap) agrees with
+    the reference the kernels are checked against."""
+    hq, hkv, d, bs = 4, 2, 32, 16
+    b = make_paged_batch(gen, mixed_seqs(bs), hq, hkv, d, bs, torch.float32, device, write_step_kv=False)
+    n, nd = b.num_real_tokens, 3
+    cache = torch.nan_to_num(b.kv_cache, nan=0.0)
+    seq_lens, starts = b.seq_lens.tolist(), b.query_start_loc.tolist()
+    max_blocks = -(-max(seq_lens[:nd]) // bs)
+    lens = torch.tensor(seq_lens[:nd])[:, None]
+    slots = torch.arange(max_blocks * bs)[None, :]
+    masks = {w: torch.zeros(nd, max_blocks * bs).masked_fill_((slots >= lens) | (slots < lens - w) if w else
+                                                              slots >= lens, float("-inf")).view(nd, 1, 1, -1)
+             for w in (0, window)}
+    prefills = [PrefillChunk(starts[i], starts[i + 1], seq_lens[i] - (starts[i + 1] - starts[i]),
+                             b.block_tables[i, :-(-seq_lens[i] // bs)]) for i in range(nd, len(seq_lens))]
+    meta = AttentionMetadata(slot_mapping=b.slot_mapping[:n], num_decodes=nd,
+                             decode_block_tables=b.block_tables[:nd, :max_blocks].contiguous(),
+                             decode_mask=masks[0], prefills=prefills, decode_window_masks=masks)
+    attn = TorchPagedAttention([cache], meta, hq, hkv, d, scale=0.2, windows=(window,), softcap=softcap)
+    out = attn(0, b.q[:n], b.k[:n], b.v[:n]).view(n, hq, d)
+    ref = paged_attention_ref(b.q[:n], cache, b.query_start_loc, b.seq_lens, b.block_tables, 0.2, window, softcap)
+    assert rel_err(out, ref) < 1e-5

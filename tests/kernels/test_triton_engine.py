@@ -137,3 +137,18 @@ def test_the_gpu_checks_parity_rows_on_the_cpu(tmp_path, monkeypatch):
     gpu_check.parity(report, torch.device("cpu"), str(tmp_path), smoke=True)
     assert [(r["value"], r["ok"]) for r in report.rows] == [("4/4 prompts identical", True)] * 3
     assert "guesses kept" in report.rows[2]["item"]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemmas_windows_and_caps_on_the_triton_path(model_dirs, arch):
+    """Gemma 2 (every other layer windowed to 16 keys, soft-capped scores and logits) and Gemma 3
+    (windows with their own rotary base, q/k norms) through the kernels, in mixed steps and
+    graph-buffer decode steps, on prompts longer than the window: transformers' tokens."""
+    llm = triton_llm(model_dirs[arch], max_num_batched_tokens=24)
+    runner = llm.engine_core.model_runner
+    runner.graphs = runner.make_decode_graphs()
+    replays = []
+    original = runner.graphs.replay
+    runner.graphs.replay = lambda ids, *rest: replays.append(len(ids)) or original(ids, *rest)
+    check_parity(llm, model_dirs[arch], num_prompts=4, new_tokens=6)
+    assert replays

@@ -371,6 +371,41 @@ def test_decode_attention_matches_the_torch_path(num_heads, num_kv_heads, head_d
 
 
 @needs_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32)])
+@pytest.mark.parametrize("lens", [[1, 15, 16, 101, 70, 0], [1000, 0]])
+@pytest.mark.parametrize("window", [7, 40])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_decode_attention_in_a_sliding_window_matches_the_torch_path(num_heads, num_kv_heads, head_dim, lens,
+                                                                     window, cache_dtype):
+    """With a sliding window (Mistral's, Gemma's), each row sees its last `window` keys: a window
+    inside one block, across blocks, wider than the short rows; the long row's window split into
+    chunks merged after."""
+    from streamserve.worker.attention import AttentionMetadata, TorchPagedAttention
+
+    gen = torch.Generator().manual_seed(num_heads + window)
+    block_size = 16
+    num_blocks, tables = scattered_tables(lens, block_size, gen)
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    seq_lens = torch.tensor(lens)
+    out = kernels.paged_decode_attention(q, cache, tables, seq_lens, 0.1, window)
+    assert torch.equal(out[-1], torch.zeros(num_heads * head_dim))
+    slots = torch.arange(tables.shape[1] * block_size)[None, :]
+    lens_ = seq_lens[:-1, None]
+    mask = torch.zeros(len(lens) - 1, slots.shape[1]).masked_fill_((slots >= lens_) | (slots < lens_ - window),
+                                                                   float("-inf")).view(len(lens) - 1, 1, 1, -1)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), num_decodes=len(lens) - 1,
+                             decode_block_tables=tables[:-1], decode_mask=None, prefills=[],
+                             decode_window_masks={window: mask})
+    torch_path = TorchPagedAttention([cache], meta, num_heads, num_kv_heads, head_dim, scale=0.1, windows=(window,))
+    torch_path.window = window
+    ref = torch_path._decode(q[:-1], cache)
+    torch.testing.assert_close(out[:-1], ref, rtol=1e-5, atol=1e-5)
+    full = kernels.paged_decode_attention(q, cache, tables, seq_lens, 0.1)
+    assert not torch.allclose(full[:-1], out[:-1])
+
+
+@needs_kernel
 @pytest.mark.parametrize("key", [2, 18])  # in a vector of 8 keys, or in the tile's scalar tail
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_decode_attention_propagates_a_nan_score(key, cache_dtype):

@@ -1247,15 +1247,20 @@ static void merge_chunks(const float *part, long chunks, long B, long Hq, long D
  * task per KV head read a third of every row; then every KV head over spans of 128 keys in
  * turn, from L2, 0.65-0.75x as fast as this from memory). With few sequences the keys are split
  * into chunks so every thread has work, and the chunks' partial results are merged by
- * their log-sum-exp (flash-decoding). A sequence of length 0 gets zeros.
+ * their log-sum-exp (flash-decoding). A sequence of length 0 gets zeros. With a sliding `window`
+ * > 0, each query sees only its sequence's last `window` keys (0: all).
  * Hq <= ATTN_MAX_Q, Hq * D <= ATTN_MAX_QD.
  */
 void paged_decode_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
                             const int64_t *tables, const int64_t *seq_lens, float *out,
-                            long B, long Hq, long Hkv, long D, long bs, long W, float scale, long kv_half) {
+                            long B, long Hq, long Hkv, long D, long bs, long W, float scale, long kv_half,
+                            long window) {
     const long QD = Hq * D;
-    long max_len = 0;
-    for (long b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    long max_len = 0;  /* the most keys a sequence sees */
+    for (long b = 0; b < B; b++) {
+        const long seen = window > 0 && seq_lens[b] > window ? window : seq_lens[b];
+        max_len = seen > max_len ? seen : max_len;
+    }
     long chunks = key_chunks(B, max_len, omp_get_max_threads());
     /* per (sequence, chunk): Hq maxima, Hq sums, Hq x D accumulators */
     const long part_size = 2 * Hq + QD;
@@ -1264,8 +1269,9 @@ void paged_decode_attention(const float *q, long q_row_stride, const void *k_cac
 #pragma omp parallel for collapse(2) schedule(dynamic, 1) if (B * chunks > 1)
     for (long b = 0; b < B; b++) {
         for (long c = 0; c < chunks; c++) {
-            const long L = seq_lens[b], per = (L + chunks - 1) / chunks;
-            const long start = c * per < L ? c * per : L, end = start + per < L ? start + per : L;
+            const long L = seq_lens[b], first = window > 0 && L > window ? L - window : 0;
+            const long per = (L - first + chunks - 1) / chunks;
+            const long start = first + c * per < L ? first + c * per : L, end = start + per < L ? start + per : L;
             float mp[ATTN_MAX_Q], lp[ATTN_MAX_Q], acc[ATTN_MAX_QD], qs[ATTN_MAX_QD];
             for (long h = 0; h < Hq; h++) mp[h] = -INFINITY, lp[h] = 0.0f;
             for (long i = 0; i < QD; i++) acc[i] = 0.0f, qs[i] = q[b * q_row_stride + i] * scale;
@@ -2048,7 +2054,7 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
             }
         if (nd)
             paged_decode_attention(qkv, QKV, L->k_cache, L->v_cache, tables, seq_lens, attn,
-                                   nd, Hq, Hkv, D, m->block_size, W, m->scale, m->kv_half);
+                                   nd, Hq, Hkv, D, m->block_size, W, m->scale, m->kv_half, 0);
         if (nd < S && paged_prefill_attention(qkv, QKV, L->k_cache, L->v_cache, query_start_loc + nd, tables + nd * W,
                                               seq_lens + nd, attn, S - nd, Hq, Hkv, D, m->block_size, W, m->scale,
                                               m->kv_half, m->bf16_dot))
