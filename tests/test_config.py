@@ -178,8 +178,8 @@ def test_each_layers_sliding_window_as_transformers_reads_it(config, windows):
 
 
 def test_which_architectures_read_the_sliding_window():
-    """As transformers: Mistral's layers (and Phi-3's, Qwen2's, Gemma 2's and 3's) attend within
-    config.json's sliding_window; Llama's ignore it."""
+    """As transformers: Mistral's layers (and Phi-3's, Gemma 2's and 3's; Qwen2's where
+    use_sliding_window) attend within config.json's sliding_window; Llama's ignore it."""
     from streamserve.models.registry import build_model
 
     cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -187,6 +187,10 @@ def test_which_architectures_read_the_sliding_window():
     with torch.device("meta"):
         assert build_model({**cfg, "architectures": ["MistralForCausalLM"]}).arch.layer_windows == (32, 32)
         assert build_model({**cfg, "architectures": ["LlamaForCausalLM"]}).arch.layer_windows == ()
+        # Qwen2's only with use_sliding_window (Qwen2Config's default is off)
+        assert build_model({**cfg, "architectures": ["Qwen2ForCausalLM"]}).arch.layer_windows == ()
+        qwen = {**cfg, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True}
+        assert build_model(qwen).arch.layer_windows == (32, 32)
 
 
 def test_gemmas_window_patterns_without_layer_types():

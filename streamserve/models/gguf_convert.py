@@ -3,8 +3,9 @@
 A GGUF file is converted once, into the cache, so later starts load safetensors in
 seconds. Tensors are dequantized with the `gguf` package (F32, F16, BF16, Q8_0, Q4_0,
 Q4_1 and the other types it reads), llama.cpp's tensor names are mapped to Hugging
-Face's (Phi-3's fused attn_qkv and ffn_up to its fused qkv_proj and gate_up_proj), and the
-row permutation that llama.cpp's converter applies to Llama's Q and K projections is undone.
+Face's (Phi-3's fused attn_qkv and ffn_up to its fused qkv_proj and gate_up_proj), the
+row permutation that llama.cpp's converter applies to Llama's Q and K projections is undone,
+and so is the 1 it adds to Gemma's norm weights (Hugging Face's hold w, the norm scales by 1 + w).
 Config comes from the GGUF metadata; the tokenizer and its chat template from the GGUF's
 tokenizer fields (through transformers' GGUF tokenizer reader).
 """
@@ -31,7 +32,13 @@ ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
 }
+_GEMMA = {"gemma2", "gemma3"}  # (transformers reads no Gemma 1 GGUF's tokenizer)
+# Gemma 2's and 3's norms around attention and the MLP: ffn_norm is the MLP's input norm there
+_SANDWICH_TENSORS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                     "post_ffw_norm": "post_feedforward_layernorm"}
 # GGUF architectures whose ffn_up holds the gate and up projections fused (gate first), as
 # their Hugging Face checkpoints' gate_up_proj does; their attn_qkv holds q, k and v
 _FUSED_UP = {"phi3"}
@@ -100,6 +107,8 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype, vocab_size: 
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if arch in _GEMMA:
+        config.update(_gemma_config(arch, get, config))
     window = get("attention.sliding_window")
     if not window and arch == "phi3" and config["max_position_embeddings"] <= 4096:
         window = 2047  # the 4k models' own, in files written before llama.cpp stored it (Microsoft's)
@@ -117,6 +126,28 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype, vocab_size: 
     return config
 
 
+def _gemma_config(arch: str, get, config: dict[str, Any]) -> dict[str, Any]:
+    """What a Gemma's config.json holds beyond a Llama's, as llama.cpp reads its GGUF: GELU's
+    tanh form; the attention scale's sqrt(head_dim), but sqrt(hidden / heads) for the 27B
+    models (which llama.cpp tells by their layers: Gemma 2's 46, Gemma 3's 62); Gemma 2's soft
+    caps; Gemma 3's windowed layers' rotary base (10000 where the file keeps none); the
+    windowed layers, where the file lists them."""
+    extra: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
+    big = config["num_hidden_layers"] == (46 if arch == "gemma2" else 62)
+    extra["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
+    if arch == "gemma2":
+        extra["attn_logit_softcapping"] = get("attn_logit_softcapping", 50.0)
+        extra["final_logit_softcapping"] = get("final_logit_softcapping", 30.0)
+    if arch == "gemma3":
+        extra["rope_local_base_freq"] = get("rope.freq_base_swa", 10000.0)
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # a flag per layer: windowed or not
+        extra["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern:
+        extra["sliding_window_pattern"] = pattern
+    return extra
+
+
 def reverse_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's Q/K permutation: it interleaved the two rotary halves of each head."""
     rows, cols = w.shape
@@ -127,6 +158,8 @@ def hf_name(name: str, arch: str = "llama") -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and arch in _GEMMA and parts[2] in _SANDWICH_TENSORS:
+        return f"model.layers.{parts[1]}.{_SANDWICH_TENSORS[parts[2]]}.{parts[3]}"
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
         piece = "mlp.gate_up_proj" if parts[2] == "ffn_up" and arch in _FUSED_UP else _LAYER_TENSORS[parts[2]]
         return f"model.layers.{parts[1]}.{piece}.{parts[3]}"
@@ -208,6 +241,8 @@ def _write_conversion(gguf_path: str, tmp_dir: str, dtype: torch.dtype) -> None:
 
         # GGUF shapes list the fastest-varying dimension first: reverse for numpy.
         array = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        if meta["general.architecture"] in _GEMMA and name.endswith("norm.weight"):
+            array = array - 1.0  # llama.cpp stores Gemma's norms as 1 + w
         tensors[name] = torch.from_numpy(np.require(unpermuted(array), np.float32, ["C", "W"])).to(dtype)
         kind = t.tensor_type.name.lower()
         if kind in BLOCKS and array.ndim == 2:  # kept as they are too, whole rows moved

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -67,9 +67,10 @@ class LlamaArch:
 
     @classmethod
     def from_hf_config(cls, cfg: dict, qkv_bias: bool, qk_norm: bool, gemma: int = 0,
-                       windowed: bool = True) -> "LlamaArch":
+                       windowed: Union[bool, str] = True) -> "LlamaArch":
         """`gemma`: the Gemma generation (1-3) the checkpoint is, else 0; `windowed`: whether the
-        architecture reads config.json's sliding_window."""
+        architecture reads config.json's sliding_window (False: ignores it; "opt_in": only with
+        use_sliding_window, as Qwen's)."""
         heads = cfg["num_attention_heads"]
         rope_params = cfg.get("rope_parameters") or {}
         local_theta = None
@@ -78,13 +79,21 @@ class LlamaArch:
             rope_params = rope_params["full_attention"] or {}
         elif gemma == 3:
             local_theta = cfg.get("rope_local_base_freq", 10000.0)
+            rope_params = {"rope_theta": 1000000.0, **rope_params}  # (Gemma3TextConfig's default)
         scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in
                                               (None, "default") else None)
         theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
-        act = (cfg.get("hidden_activation") if gemma >= 2 else None) or cfg.get("hidden_act") or "silu"
+        if gemma:  # transformers' Gemma runs GELU's tanh form where a config says "gelu" (Gemma 1's do)
+            act = cfg.get("hidden_activation") or (cfg.get("hidden_act") if gemma == 1 else None) or "gelu_tanh"
+            act = "gelu_tanh" if act == "gelu" else act
+        else:
+            act = cfg.get("hidden_act") or "silu"
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         scalar = cfg.get("query_pre_attn_scalar") if gemma >= 2 else None
-        windows = sliding_windows(cfg, 2 if gemma == 2 else 6 if gemma == 3 else 0) if windowed else ()
+        if gemma >= 2:
+            cfg = {"sliding_window": 4096, **cfg}  # (Gemma2Config's and Gemma3TextConfig's default)
+        windows = sliding_windows(cfg, 2 if gemma == 2 else 6 if gemma == 3 else 0, windowed == "opt_in") \
+            if windowed else ()
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -138,13 +147,14 @@ _ACTIVATIONS = {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
-def sliding_windows(cfg: dict, every: int) -> tuple[int, ...]:
+def sliding_windows(cfg: dict, every: int, opt_in: bool = False) -> tuple[int, ...]:
     """Each layer's sliding window (0 for a full-attention layer), or () when none has one: as
     config.json's layer_types say, else every `every`-th layer full (Gemma 2: 2, Gemma 3: 6), else
-    Qwen2's layers from max_window_layers on (where use_sliding_window), else all (Mistral, Phi-3)."""
+    Qwen2's layers from max_window_layers on (where use_sliding_window), else all (Mistral, Phi-3).
+    `opt_in` (Qwen's): none unless use_sliding_window."""
     window = cfg.get("sliding_window")
     n = cfg["num_hidden_layers"]
-    if not window or cfg.get("use_sliding_window") is False:
+    if not window or cfg.get("use_sliding_window") is False or (opt_in and not cfg.get("use_sliding_window")):
         return ()
     window = int(window)
     types = cfg.get("layer_types")

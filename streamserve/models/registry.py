@@ -5,12 +5,13 @@ from __future__ import annotations
 from streamserve.models.llama import _ACTIVATIONS, ACTIVATIONS, LlamaArch, LlamaForCausalLM
 
 # architecture name in config.json -> (q/k/v projections carry a bias, per-head q/k RMSNorm,
-# Gemma's generation or 0, config.json's sliding_window is read: transformers' Llama ignores it)
+# Gemma's generation or 0, whether config.json's sliding_window is read: transformers' Llama
+# ignores it, Qwen's read it only with use_sliding_window)
 _ARCHITECTURES = {
     "LlamaForCausalLM": (False, False, 0, False),
     "MistralForCausalLM": (False, False, 0, True),
-    "Qwen2ForCausalLM": (True, False, 0, True),
-    "Qwen3ForCausalLM": (False, True, 0, True),
+    "Qwen2ForCausalLM": (True, False, 0, "opt_in"),
+    "Qwen3ForCausalLM": (False, True, 0, "opt_in"),
     "Phi3ForCausalLM": (False, False, 0, True),  # Llama's layers, its q/k/v and gate/up stored fused
     "GemmaForCausalLM": (False, False, 1, False),
     "Gemma2ForCausalLM": (False, False, 2, True),

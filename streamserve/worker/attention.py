@@ -138,14 +138,15 @@ class TorchPagedAttention:
                                                   enable_gqa=self.group > 1)
         if self.group > 1:
             k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
-        scores = torch.tanh((q @ k.transpose(-1, -2)).mul_(self.scale / self.softcap)).mul_(self.softcap)
+        # (the softmax in float32, as transformers' eager attention takes it)
+        scores = torch.tanh((q @ k.transpose(-1, -2)).float().mul_(self.scale / self.softcap)).mul_(self.softcap)
         if causal:
             mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         if mask is not None and mask.dtype == torch.bool:
             scores.masked_fill_(~mask, float("-inf"))
         elif mask is not None:
             scores += mask
-        return scores.softmax(-1) @ v
+        return scores.softmax(-1).to(v.dtype) @ v
 
 
 def write_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ def compile_kernel(kernel, pointers: dict[str, str], constexprs: dict, num_warps
     """Pointer args get their element type, constexprs their value, any other arg is an i32."""
     signature = {name: "constexpr" if name in constexprs else pointers.get(name, "i32")
                  for name in kernel.arg_names}
-    for name in ("qk_scale", "eps"):
+    for name in ("qk_scale", "eps", "cap_log2e"):
         if name in signature:
             signature[name] = "fp32"
     triton.compile(ASTSource(kernel, signature, constexprs), target=TARGET, options={"num_warps": num_warps})
@@ -36,13 +36,14 @@ def compile_all(dt: str) -> None:
     ptrs = {"out_ptr": f"*{dt}", "q_ptr": f"*{dt}", "k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}",
             "block_tables_ptr": "*i64", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
             "part_ptr": "*fp32", "lse_ptr": "*fp32"}
-    compile_kernel(attention._paged_attention_kernel, ptrs, dict(
-        GROUP=3, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_M=64, BLOCK_Q=21, BLOCK_SIZE=16, TILE_N=64,
-        PRECISION=precision, UPCAST=False))
-    for split in (True, False):
-        compile_kernel(attention._decode_split_kernel, ptrs, dict(
-            GROUP=3, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_M=16, BLOCK_SIZE=32, TILE_N=64, SPLIT=split,
-            PRECISION=precision, UPCAST=False))
+    for softcap in (False, True):  # (Gemma 2's capped scores)
+        compile_kernel(attention._paged_attention_kernel, ptrs, dict(
+            GROUP=3, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_M=64, BLOCK_Q=21, BLOCK_SIZE=16, TILE_N=64,
+            SOFTCAP=softcap, PRECISION=precision, UPCAST=False))
+        for split in (True, False):
+            compile_kernel(attention._decode_split_kernel, ptrs, dict(
+                GROUP=3, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_M=16, BLOCK_SIZE=32, TILE_N=64, SPLIT=split,
+                SOFTCAP=softcap, PRECISION=precision, UPCAST=False))
     compile_kernel(attention._decode_reduce_kernel, ptrs, dict(HEAD_DIM=64, HEAD_DIM_PAD=64, SPLITS_PAD=16))
     compile_kernel(cache._reshape_and_cache_kernel,
                    {"key_ptr": f"*{dt}", "value_ptr": f"*{dt}", "k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}",

@@ -38,7 +38,8 @@ def every_matrix(qtype) -> dict:
 def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, arch: str = "llama",
                sliding_window: int = 0) -> None:
     """As llama.cpp's convert_hf_to_gguf.py writes `arch` ("llama", "qwen2": with its biases,
-    no q/k permutation and no vocab_size key; or "phi3", its q/k/v and gate/up fused)."""
+    no q/k permutation and no vocab_size key; "phi3", its q/k/v and gate/up fused; or "gemma",
+    "gemma2", "gemma3": the norms stored as 1 + w, the head size and Gemma 2's caps written)."""
     from safetensors.numpy import load_file
     from transformers import AutoTokenizer
 
@@ -51,8 +52,16 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
-    writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
-    writer.add_rope_dimension_count(cfg["hidden_size"] // cfg["num_attention_heads"])
+    rope = cfg.get("rope_parameters") or {}
+    writer.add_rope_freq_base(cfg.get("rope_theta") or (rope.get("full_attention") or rope)["rope_theta"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    writer.add_rope_dimension_count(head_dim)
+    if arch.startswith("gemma"):
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if arch == "llama":
         writer.add_vocab_size(cfg["vocab_size"])
@@ -74,7 +83,8 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
     writer.add_chat_template(tok.chat_template)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     add(writer, "token_embd.weight", tensors["model.embed_tokens.weight"], embedding)
-    writer.add_tensor("output_norm.weight", tensors["model.norm.weight"])
+    shift = 1.0 if arch.startswith("gemma") else 0.0  # llama.cpp stores Gemma's norms as 1 + w
+    writer.add_tensor("output_norm.weight", tensors["model.norm.weight"] + shift)
     if not cfg.get("tie_word_embeddings"):
         add(writer, "output.weight", tensors["lm_head.weight"], Q.Q8_0)
     for i in range(cfg["num_hidden_layers"]):
@@ -84,6 +94,8 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
                 w = permute(w, heads)
             elif cpp_piece == "attn_k" and arch == "llama":
                 w = permute(w, kv_heads)
+            elif "norm" in cpp_piece:
+                w = w + shift
             add(writer, f"blk.{i}.{cpp_piece}.weight", w, qtype)
             if f"model.layers.{i}.{hf_piece}.bias" in tensors:
                 writer.add_tensor(f"blk.{i}.{cpp_piece}.bias", tensors[f"model.layers.{i}.{hf_piece}.bias"])
@@ -361,3 +373,65 @@ def test_a_phi3_gguf_of_microsofts_kind_keeps_its_window_and_stops_at_its_turns_
     (tmp_path / "generation_config.json").unlink()
     _write_generation_config(str(tmp_path), config, meta, SimpleNamespace(get_vocab=lambda: {"a": 1}))
     assert not (tmp_path / "generation_config.json").exists()  # the EOS alone: nothing to add
+
+
+_GEMMA_NAMES = {"self_attn.q_proj": ("attn_q", Q.F32), "self_attn.k_proj": ("attn_k", Q.F32),
+                "self_attn.v_proj": ("attn_v", Q.F32), "self_attn.o_proj": ("attn_output", Q.F32),
+                "mlp.gate_proj": ("ffn_gate", Q.F32), "mlp.up_proj": ("ffn_up", Q.F32),
+                "mlp.down_proj": ("ffn_down", Q.F32), "input_layernorm": ("attn_norm", Q.F32)}
+_SANDWICH_NAMES = {"post_attention_layernorm": ("post_attention_norm", Q.F32),
+                   "pre_feedforward_layernorm": ("ffn_norm", Q.F32),
+                   "post_feedforward_layernorm": ("post_ffw_norm", Q.F32)}
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_is_the_checkpoint_it_was_written_from(tmp_path, arch):
+    """llama.cpp's gemma2 and gemma3 GGUFs (float32 here, so the conversion is exact):
+    norms stored as 1 + w, Gemma 2's and 3's four norms a layer (ffn_norm the MLP's input
+    norm), q/k norms, Gemma 2's caps, their windows (every other layer, every sixth full) and
+    the attention scale llama.cpp assumes (the head size): greedy tokens and logprobs as
+    transformers' on the Hugging Face checkpoint."""
+    from parity import check_parity
+    from tiny_models import build_model
+
+    overrides = {"gemma2": {"query_pre_attn_scalar": 16},
+                 "gemma3": {"query_pre_attn_scalar": 16, "num_hidden_layers": 6, "layer_types": None,
+                            "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                                "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}}
+    hf_dir = build_model(str(tmp_path / arch), arch, seed=3, **overrides[arch])
+    names = dict(_GEMMA_NAMES, **_SANDWICH_NAMES)
+    if arch == "gemma3":
+        names.update({"self_attn.q_norm": ("attn_q_norm", Q.F32), "self_attn.k_norm": ("attn_k_norm", Q.F32)})
+    path = str(tmp_path / f"{arch}.gguf")
+    write_gguf(hf_dir, path, names, arch=arch, sliding_window=16)
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    converted = json.load(open(os.path.join(llm.config.model.model, "config.json")))
+    assert converted["architectures"] == [{"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]]
+    windows = llm.engine_core.model_runner.model.arch.layer_windows
+    assert windows == {"gemma2": (16, 0, 16), "gemma3": (16,) * 5 + (0,)}[arch]
+    check_parity(llm, hf_dir, num_prompts=5, new_tokens=12)
+
+
+def test_gemma_gguf_metadata_as_llama_cpp_reads_it():
+    """What a Gemma GGUF leaves unsaid, llama.cpp assumes: the scale of sqrt(head size), but
+    sqrt(hidden / heads) for the 27B models (told by their layers), Gemma 2's caps of 50 and 30
+    where absent, Gemma 3's windowed layers' rotary base of 10000; a per-layer window pattern
+    where the file has one."""
+    from streamserve.models.gguf_convert import hf_config
+
+    def meta(arch, layers, **extra):
+        return {"general.architecture": arch, f"{arch}.attention.head_count": 32, f"{arch}.embedding_length": 4608,
+                f"{arch}.feed_forward_length": 36864, f"{arch}.block_count": layers,
+                f"{arch}.attention.key_length": 128, f"{arch}.attention.sliding_window": 4096,
+                **{f"{arch}.{k}": v for k, v in extra.items()}}
+
+    big = hf_config(meta("gemma2", 46), tied=True, dtype=torch.bfloat16, vocab_size=256000)
+    assert big["query_pre_attn_scalar"] == 144 and big["hidden_activation"] == "gelu_pytorch_tanh"
+    assert (big["attn_logit_softcapping"], big["final_logit_softcapping"]) == (50.0, 30.0)
+    small = hf_config(meta("gemma2", 42, attn_logit_softcapping=40.0), True, torch.bfloat16, 256000)
+    assert small["query_pre_attn_scalar"] == 128 and small["attn_logit_softcapping"] == 40.0
+    g3 = hf_config(meta("gemma3", 62, **{"attention.sliding_window_pattern": [True, False] * 31}), True,
+                   torch.bfloat16, 262144)
+    assert g3["query_pre_attn_scalar"] == 144 and g3["rope_local_base_freq"] == 10000.0
+    assert g3["layer_types"][:3] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert g3["architectures"] == ["Gemma3ForCausalLM"] and g3["sliding_window"] == 4096
