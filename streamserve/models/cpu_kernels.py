@@ -270,7 +270,7 @@ class CpuKernels:
         self._decode.restype = None
         self._prefill = lib.paged_prefill_attention
         self._prefill.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 6
-                                  + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long, ctypes.c_long])
+                                  + [ctypes.c_long] * 6 + [ctypes.c_float] + [ctypes.c_long] * 3)
         self._prefill.restype = ctypes.c_int
         self._sample = lib.sample_rows
         self._sample.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 6
@@ -312,14 +312,15 @@ class CpuKernels:
 
     def paged_prefill_attention(self, q: torch.Tensor, cache: torch.Tensor, query_start_loc: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                bf16_dot: bool = False) -> torch.Tensor:
+                                bf16_dot: bool = False, window: int = 0) -> torch.Tensor:
         """Causal attention of S sequences' query rows: sequence s's are rows query_start_loc[s] ..
         query_start_loc[s + 1] - 1 of q (as for paged_decode_attention), at the last positions
         before seq_lens[s], each over its keys up to its own position, through row s of block_tables
         [S, W] (int64; its keys, this chunk's included, already in the cache) -> [N, Hq * D].
         With `bf16_dot`, where the build has AVX512-BF16 (bf16_dot_min_rows) and head_dim is a
         multiple of 16, both products take bfloat16 dot products (q, K, V and the softmax's weights
-        rounded to bfloat16; the sums and the softmax stay float32)."""
+        rounded to bfloat16; the sums and the softmax stay float32). With a sliding `window` > 0,
+        each row sees only its last `window` keys."""
         n_seqs = seq_lens.shape[0]
         num_heads, out = self._check_attention(q, cache, block_tables, seq_lens, n_seqs)
         loc = query_start_loc.tolist()
@@ -334,7 +335,7 @@ class CpuKernels:
         if self._prefill(q.data_ptr(), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
                          query_start_loc.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
                          n_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
-                         cache.dtype == torch.float16, bf16_dot):
+                         cache.dtype == torch.float16, bf16_dot, max(window, 0)):
             raise MemoryError("the CPU prefill attention found no memory for its scratch")
         return out
 
@@ -515,7 +516,8 @@ _LINEARS = ("qkv", "o", "gate_up", "down")
 class _StepLayer(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_void_p) for name in ("input_norm", "post_norm")]
                 + [(name, _Weight * 2) for name in _LINEARS]
-                + [(name, ctypes.c_void_p) for name in ("qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache")])
+                + [(name, ctypes.c_void_p) for name in ("qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache")]
+                + [("window", ctypes.c_long)])
 
 
 class _StepModel(ctypes.Structure):
@@ -578,8 +580,9 @@ class StepForward:
             return pair
 
         layers = (_StepLayer * arch.num_layers)()
-        for entry, layer, cache in zip(layers, model.layers, kv_caches):
+        for i, (entry, layer, cache) in enumerate(zip(layers, model.layers, kv_caches)):
             attn = layer.self_attn
+            entry.window = arch.window(i)
             entry.input_norm, entry.post_norm = ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight)
             entry.qkv, entry.o = weights(attn.qkv_proj), weights(attn.o_proj)
             entry.gate_up, entry.down = weights(layer.mlp.gate_up_proj), weights(layer.mlp.down_proj)
@@ -594,7 +597,7 @@ class StepForward:
             block_size=kv_caches[0].shape[2], max_position=model.rotary.cos_sin_cache.shape[0],
             num_slots=kv_caches[0].shape[1] * kv_caches[0].shape[2],
             quant_max_tokens=quant_max_tokens, kv_half=kv_caches[0].dtype == torch.float16, bf16_dot=bf16_dot,
-            eps=arch.rms_norm_eps, scale=arch.head_dim ** -0.5, final_norm=ptr(model.norm.weight),
+            eps=arch.rms_norm_eps, scale=arch.scale, final_norm=ptr(model.norm.weight),
             cos_sin=ptr(model.rotary.cos_sin_cache), layers=layers)
         self._model_ref = ctypes.byref(self._model)
         per_token = kernels.lib.step_scratch_floats

@@ -132,13 +132,14 @@ class LlamaArch:
         return self.layer_windows[layer_idx] if self.layer_windows else 0
 
     def not_llama(self) -> Optional[str]:
-        """What of this model a plain Llama lacks (the C step and the C attention run Llamas), or None."""
+        """What of this model the C step does not compute (it runs Llama's layers, sliding windows
+        and any attention scale included), or None."""
         if self.hidden_act != "silu":
             return f"its MLP is gated by {self.hidden_act}"
         if self.norm_offset or self.embed_scale != 1.0 or self.sandwich_norms or self.final_softcap:
             return "it is a Gemma (its norms, embedding or logits differ)"
-        if any(self.layer_windows) or self.attn_softcap or self.attn_scale is not None:
-            return "its attention has sliding windows, soft-capped scores or its own scale"
+        if self.attn_softcap or self.local_rope_theta is not None:
+            return "its attention soft-caps its scores or rotates windowed layers by their own base"
         return None
 
 

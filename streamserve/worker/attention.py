@@ -87,7 +87,7 @@ class TorchPagedAttention:
         if self.meta.prefill_seq_lens is not None:
             out[nd:] = self.kernels.paged_prefill_attention(
                 q[nd:], cache, self.meta.prefill_query_start_loc, self.meta.prefill_block_tables,
-                self.meta.prefill_seq_lens, self.scale, self.bf16_dot)
+                self.meta.prefill_seq_lens, self.scale, self.bf16_dot, self.window)
             return out
         for chunk in prefills:
             rows = slice(chunk.query_start, chunk.query_end)

@@ -138,11 +138,9 @@ class ModelRunner:
         arch = self.model.arch
         # the distinct sliding windows of the layers
         self.windows = sorted(set(arch.layer_windows) - {0})
-        # whether the decodes' and the prefill chunks' attention take the C kernels: not for
-        # soft-capped scores (Gemma 2), and the prefill's not for a sliding window
+        # whether attention takes the C kernels: not for soft-capped scores (Gemma 2)
         self.cpu_attention = (self.c_kernels is not None and not arch.attn_softcap
                               and cpu_kernels.fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim))
-        self.cpu_prefill_attention = self.cpu_attention and not self.windows
         # A bfloat16 checkpoint, where the C kernels take bfloat16 dot products (AVX512-BF16): the
         # GEMM of its larger steps and its prefill attention do (x, q, K, V rounded to bfloat16).
         self.bf16_dot = (self.c_kernels is not None and low_precision == torch.bfloat16
@@ -559,7 +557,7 @@ class ModelRunner:
                 num_decodes=nd, max_query_len=max([1] + [n for n, _ in chunks]), num_splits=num_splits)
         meta = AttentionMetadata(slot_mapping=slot_mapping, num_decodes=nd,
                                  decode_block_tables=None, decode_mask=None, prefills=[])
-        if chunks and self.cpu_prefill_attention:  # the C kernel takes every chunk at once
+        if chunks and self.cpu_attention:  # the C kernel takes every chunk at once
             meta.prefill_query_start_loc = self.to_device(loc[nd:] - nd)
             meta.prefill_block_tables = self.to_device(np.ascontiguousarray(tables[nd:]))
             meta.prefill_seq_lens = self.to_device(seq_lens[nd:])

@@ -117,8 +117,9 @@ def test_sliding_window_parity(tmp_path, settings):
     llm = LLM(path, dtype="float32", kv_cache_memory="32MiB", **settings)
     runner = llm.engine_core.model_runner
     assert runner.windows == [16]
-    # the decodes' window read by the C kernel where it loads; the prefill chunks' masked by torch
-    assert runner.cpu_attention == (runner.c_kernels is not None) and not runner.cpu_prefill_attention
+    # the C kernels (and the one-call C step) take the windows where they load
+    assert runner.cpu_attention == (runner.c_kernels is not None)
+    assert (runner.c_step is not None) == (runner.c_kernels is not None)
     check_parity(llm, path)
 
 

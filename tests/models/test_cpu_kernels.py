@@ -476,9 +476,10 @@ def test_prefill_attention_takes_bfloat16_dot_products_where_asked_and_built(num
 
 
 def prefill_attention_and_reference(lib, bf16_dot, num_heads, num_kv_heads, head_dim, block_size, cache_dtype,
-                                    chunks):
+                                    chunks, window: int = 0):
     """For each chunk: the kernel's output (one call for all chunks), the torch path's SDPA on the
-    same cache, and the torch path's on q (scaled), K and V rounded to bfloat16."""
+    same cache, and the torch path's on q (scaled), K and V rounded to bfloat16; with a sliding
+    `window`, both seeing only each row's last `window` keys."""
     from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention, write_kv
 
     gen = torch.Generator().manual_seed(num_heads * head_dim + block_size)
@@ -495,7 +496,7 @@ def prefill_attention_and_reference(lib, bf16_dot, num_heads, num_kv_heads, head
     qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
     q = qkv[:, :num_heads * head_dim].view(rows, num_heads, head_dim)
     scale = head_dim ** -0.5
-    out = lib.paged_prefill_attention(q, cache, starts, tables, torch.tensor(lens), scale, bf16_dot)
+    out = lib.paged_prefill_attention(q, cache, starts, tables, torch.tensor(lens), scale, bf16_dot, window)
 
     prefills = [PrefillChunk(a, b, ctx, tables[i, :-(-(ctx + b - a) // block_size)])
                 for i, ((ctx, _), a, b) in enumerate(zip(chunks, starts[:-1].tolist(), starts[1:].tolist()))]
@@ -508,9 +509,31 @@ def prefill_attention_and_reference(lib, bf16_dot, num_heads, num_kv_heads, head
         for c, qc in ((cache, q), (rounded_cache, rounded_q)):
             k, v = (c[i].index_select(0, chunk.block_ids).flatten(0, 1)[chunk.num_computed_tokens:][:rows.stop - rows.start]
                     for i in (0, 1))
-            torch_path = TorchPagedAttention([c], meta, num_heads, num_kv_heads, head_dim)
+            torch_path = TorchPagedAttention([c], meta, num_heads, num_kv_heads, head_dim, windows=(window,))
+            torch_path.window = window
             refs.append(torch_path._prefill(qc[rows], k.float(), v.float(), c, chunk))
         yield out[rows], *refs
+
+
+@needs_kernel
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (8, 2, 128)])
+@pytest.mark.parametrize("window", [5, 40, 300])
+@pytest.mark.parametrize("build", BUILDS)
+def test_prefill_attention_in_a_sliding_window_matches_the_torch_path(num_heads, num_kv_heads, head_dim, window,
+                                                                      build):
+    """With a sliding window, each row sees its last `window` keys: windows inside a task's rows,
+    across them, and wider than most contexts; chunks with and without context before, and few
+    rows after a long one (its keys split into chunks, merged after); float32 products, and
+    bfloat16 ones where built (against the torch path on the rounded inputs)."""
+    chunks = [(0, 5), (40, 1), (37, 100), (0, 100), (300, 70), (2000, 4)]
+    lib = built(build)
+    for got, want, _ in prefill_attention_and_reference(lib, False, num_heads, num_kv_heads, head_dim, 16,
+                                                        torch.float16, chunks, window):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if lib.bf16_dot_min_rows > 0 and head_dim % 16 == 0:
+        for got, _, want_rounded in prefill_attention_and_reference(lib, True, num_heads, num_kv_heads, head_dim, 16,
+                                                                    torch.float16, chunks, window):
+            torch.testing.assert_close(got, want_rounded, rtol=0, atol=5e-3)
 
 
 @needs_kernel

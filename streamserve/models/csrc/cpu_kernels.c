@@ -1626,14 +1626,15 @@ static inline __attribute__((always_inline)) void keys_bf16(uint16_t *kb, uint16
 
 /* One task: the query lanes first .. first + count - 1 (lane i: row i / G, query head h * G + i % G)
  * of a sequence whose query rows start at q row `row0`, at position pos0, over its keys k0 .. k1 - 1
- * (up to the last lane's position), into out (rows Hq * D), or where `part` is given, their
- * partial results for merge_chunks: the lane's row's chunk c of `chunks` at part (rows from the
- * call's first). */
+ * (up to the last lane's position; with a sliding `window` > 0, from the first lane's window on,
+ * each lane's keys before its own window masked), into out (rows Hq * D), or where `part` is
+ * given, their partial results for merge_chunks: the lane's row's chunk c of `chunks` at part
+ * (rows from the call's first). */
 static inline __attribute__((always_inline)) void prefill_task(
         const float *q, long q_row_stride, const void *k_cache, const void *v_cache, const int64_t *table,
         long Hq, long Hkv, long D, long bs, long h, long row0, long pos0, long first, long count, long k0,
         long k1, float scale, float *out, float *part, long part_row0, long c, long chunks, float *scratch,
-        const int NV, const int half, const int DOT) {
+        long window, const int NV, const int half, const int DOT) {
     const long G = Hq / Hkv, Dp = (D + 7) / 8 * 8;
     float *qt = scratch, *kt = qt + D * PF_LANES, *vt = kt + PF_KEYS * Dp, *s = vt + PF_KEYS * Dp;
     float *acc = s + PF_KEYS * PF_LANES, *m = acc + Dp * PF_LANES, *l = m + PF_LANES, *alpha = l + PF_LANES;
@@ -1659,6 +1660,7 @@ static inline __attribute__((always_inline)) void prefill_task(
     for (long j = 0; j < PF_KEYS; j++)  /* the columns past D stay zero (lane_values reads column D when D is odd) */
         for (long d = D; d < Dp; d++) kt[j * Dp + d] = vt[j * Dp + d] = 0.0f;
     const long end = pos[PF_LANES - 1] + 1 < k1 ? pos[PF_LANES - 1] + 1 : k1, kv_row = Hkv * D;
+    if (window > 0 && k0 < pos[0] - window + 1) k0 = pos[0] - window + 1;  /* no lane sees the keys before */
     long blk = k0 / bs, off = k0 % bs;
     for (long t0 = k0; t0 < end; t0 += PF_KEYS) {
         const long n = end - t0 < PF_KEYS ? end - t0 : PF_KEYS;
@@ -1719,6 +1721,10 @@ static inline __attribute__((always_inline)) void prefill_task(
         } else
 #endif
         lane_scores(qt, DOT ? (const void *)kb : kt, n, D, Dp, s, NV, DOT);
+        if (window > 0 && t0 <= pos[PF_LANES - 1] - window)  /* keys before a lane's window: hidden */
+            for (long j = 0; j < n; j++)
+                for (long i = 0; i < NV * VL; i++)
+                    if (t0 + j <= pos[i] - window) s[j * PF_LANES + i] = -INFINITY;
         lane_softmax(s, n, t0, pos, t0 + n - 1 > pos[0], m, l, alpha, NV, DOT);
 #ifdef BF16_DOT
         if (DOT) {  /* the weights in pairs of keys (j, j + 1), in place; the spare keys' zeros */
@@ -1759,12 +1765,12 @@ static inline __attribute__((always_inline)) void prefill_task(
 typedef void (*prefill_task_fn)(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
                                 const int64_t *table, long Hq, long Hkv, long D, long bs, long h, long row0,
                                 long pos0, long first, long count, long k0, long k1, float scale, float *out,
-                                float *part, long part_row0, long c, long chunks, float *scratch);
+                                float *part, long part_row0, long c, long chunks, float *scratch, long window);
 #define PREFILL_TASK(NAME, HALF, DOT)                                                             \
     static void NAME(const float *q, long q_row_stride, const void *k_cache, const void *v_cache, \
                      const int64_t *table, long Hq, long Hkv, long D, long bs, long h, long row0,  \
                      long pos0, long first, long count, long k0, long k1, float scale, float *out, \
-                     float *part, long part_row0, long c, long chunks, float *scratch) {           \
+                     float *part, long part_row0, long c, long chunks, float *scratch, long window) { \
         switch ((count + VL - 1) / VL) {                                                          \
         TASK_CASE(1, HALF, DOT) TASK_CASE(2, HALF, DOT) TASK_CASE(3, HALF, DOT)                   \
         TASK_CASE(4, HALF, DOT) TASK_CASE(5, HALF, DOT) default: TASK_CASE(6, HALF, DOT)          \
@@ -1773,7 +1779,7 @@ typedef void (*prefill_task_fn)(const float *q, long q_row_stride, const void *k
 #define TASK_CASE(NV, HALF, DOT)                                                                  \
     case NV:                                                                                      \
         prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, \
-                     k0, k1, scale, out, part, part_row0, c, chunks, scratch, NV, HALF, DOT);     \
+                     k0, k1, scale, out, part, part_row0, c, chunks, scratch, window, NV, HALF, DOT); \
         break;
 PREFILL_TASK(prefill_task_f32, 0, 0)
 PREFILL_TASK(prefill_task_f16, 1, 0)
@@ -1797,12 +1803,13 @@ PREFILL_TASK(prefill_task_f16_amx, 1, 2)
  * float32, or float16 where kv_half. out: rows like q's, Hq * D apart, float32. The tasks (a
  * sequence's KV head and PF_LANES of its query lanes) run longest first; with too few of them
  * for the threads (a few rows after a long context: a prompt's last chunk, a cached chat's new
- * turn) each also takes only a chunk of the keys, merged after as the decodes' are. Returns 0,
- * or -1 (computing nothing) when there is no memory for the scratch. */
+ * turn) each also takes only a chunk of the keys, merged after as the decodes' are. With a
+ * sliding `window` > 0, each row sees only its last `window` keys (its own among them).
+ * Returns 0, or -1 (computing nothing) when there is no memory for the scratch. */
 int paged_prefill_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
                             const int64_t *query_start_loc, const int64_t *tables, const int64_t *seq_lens,
                             float *out, long S, long Hq, long Hkv, long D, long bs, long W, float scale,
-                            long kv_half, long bf16_dot) {
+                            long kv_half, long bf16_dot, long window) {
     const long G = Hq / Hkv, row0 = query_start_loc[0], rows = query_start_loc[S] - row0;
     prefill_task_fn task = kv_half ? prefill_task_f16 : prefill_task_f32;
 #ifdef BF16_DOT
@@ -1811,10 +1818,12 @@ int paged_prefill_attention(const float *q, long q_row_stride, const void *k_cac
 #ifdef AMX
     if (bf16_dot && amx_permitted && D % 32 == 0) task = kv_half ? prefill_task_f16_amx : prefill_task_f32_amx;
 #endif
-    long num_tasks = 0, max_len = 0;
+    long num_tasks = 0, max_len = 0;  /* the most keys a sequence's rows see */
     for (long s = 0; s < S; s++) {
-        num_tasks += Hkv * (((query_start_loc[s + 1] - query_start_loc[s]) * G + PF_LANES - 1) / PF_LANES);
-        max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
+        const long n = query_start_loc[s + 1] - query_start_loc[s];
+        num_tasks += Hkv * ((n * G + PF_LANES - 1) / PF_LANES);
+        const long seen = window > 0 && seq_lens[s] > window + n ? window + n : seq_lens[s];
+        max_len = seen > max_len ? seen : max_len;
     }
     if (!num_tasks) return 0;
     const long chunks = key_chunks(num_tasks, max_len, omp_get_max_threads());
@@ -1840,10 +1849,12 @@ int paged_prefill_attention(const float *q, long q_row_stride, const void *k_cac
     for (long i = num_tasks - 1; i >= 0; i--) {  /* a sequence's last lanes see the most keys */
         const long s = tasks[4 * i], h = tasks[4 * i + 1], first = tasks[4 * i + 2], c = tasks[4 * i + 3];
         const long start = query_start_loc[s], n = query_start_loc[s + 1] - start, lanes = n * G;
-        const long count = lanes - first < PF_LANES ? lanes - first : PF_LANES, per = (seq_lens[s] + chunks - 1) / chunks;
+        /* the keys any of the sequence's rows see, split into the chunks */
+        const long lo = window > 0 && seq_lens[s] - n - window + 1 > 0 ? seq_lens[s] - n - window + 1 : 0;
+        const long count = lanes - first < PF_LANES ? lanes - first : PF_LANES, per = (seq_lens[s] - lo + chunks - 1) / chunks;
         task(q, q_row_stride, k_cache, v_cache, tables + s * W, Hq, Hkv, D, bs, h, start, seq_lens[s] - n, first,
-             count, c * per, (c + 1) * per, scale, out, part, row0, c, chunks,
-             scratch + omp_get_thread_num() * scratch_floats);
+             count, lo + c * per, lo + (c + 1) * per, scale, out, part, row0, c, chunks,
+             scratch + omp_get_thread_num() * scratch_floats, window);
     }
     if (part)
         merge_chunks(part, chunks, rows, Hq, D, out + row0 * Hq * D);
@@ -1875,6 +1886,7 @@ typedef struct {
     const float *qkv_bias;                  /* [Hq * D + 2 * Hkv * D] or NULL (Qwen2 has one) */
     const float *q_norm, *k_norm;           /* [D] or NULL (Qwen3's per-head RMSNorm) */
     void *k_cache, *v_cache;                /* [num_blocks * bs, Hkv, D] each, float32 or float16 */
+    long window;                            /* its sliding window, or 0 (Mistral's, Phi-3's) */
 } StepLayer;
 
 typedef struct {
@@ -2054,10 +2066,10 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
             }
         if (nd)
             paged_decode_attention(qkv, QKV, L->k_cache, L->v_cache, tables, seq_lens, attn,
-                                   nd, Hq, Hkv, D, m->block_size, W, m->scale, m->kv_half, 0);
+                                   nd, Hq, Hkv, D, m->block_size, W, m->scale, m->kv_half, L->window);
         if (nd < S && paged_prefill_attention(qkv, QKV, L->k_cache, L->v_cache, query_start_loc + nd, tables + nd * W,
                                               seq_lens + nd, attn, S - nd, Hq, Hkv, D, m->block_size, W, m->scale,
-                                              m->kv_half, m->bf16_dot))
+                                              m->kv_half, m->bf16_dot, L->window))
             return -5;
         if (step_gemv(m, L->o, attn, hidden, B, H, Hq * D) || (lora && lora_add(lora, l, 1, attn, hidden, H, Hq * D)))
             return -5;
