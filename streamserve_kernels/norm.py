@@ -2,8 +2,10 @@
 
 x [T, H] (rows may be strided, last dim contiguous), weight [H]. The sum of squares and the
 normalisation run in float32; the normalised value is rounded to x's dtype before the weight
-multiplies it (as Hugging Face does), and the residual sum is rounded to the residual's
-dtype before it is normalised (it is what the next layer adds to).
+multiplies it (as Hugging Face does for Llama), unless the weight is float32 where x is not
+(Gemma's, 1 + w kept in float32: transformers scales in float32 and rounds once), and the
+residual sum is rounded to the residual's dtype before it is normalised (it is what the next
+layer adds to).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import triton.language as tl
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
                      stride_x, stride_r, stride_o,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK: tl.constexpr):
     # One program per row; in place is safe since a row is read whole before it is written.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -30,7 +32,9 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
         tl.store(residual_ptr + row * stride_r + cols, total, mask=mask)
         x = total.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
-    normed = (x * inv_rms).to(out_ptr.dtype.element_ty).to(tl.float32)
+    normed = x * inv_rms
+    if ROUND_NORMED:
+        normed = normed.to(out_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -68,7 +72,8 @@ def _launch(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
     _rms_norm_kernel[(n_rows,)](
         x, residual if residual is not None else x, weight, out, n_cols, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+        HAS_RESIDUAL=residual is not None, ROUND_NORMED=weight.dtype != torch.float32, BLOCK=block,
+        num_warps=min(16, max(1, block // 256)))
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -78,6 +83,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         x = (x.float() + residual.float()).to(residual.dtype)
     xf = x.float()
-    normed = (xf / xf.pow(2).mean(-1, keepdim=True).add(eps).sqrt()).to(x.dtype)
+    normed = xf / xf.pow(2).mean(-1, keepdim=True).add(eps).sqrt()
+    if weight.dtype != torch.float32:
+        normed = normed.to(x.dtype)
     out = (normed.float() * weight.float()).to(x.dtype)
     return out if residual is None else (out, x)

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; with `residual`, adds it first and also returns the sum (the new residual)."""
+    """RMSNorm; with `residual`, adds it first and also returns the sum (the new residual). A
+    float32 weight on a lower-precision input scales in float32 and rounds once (Gemma's)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -41,8 +42,12 @@ class RMSNorm(nn.Module):
             n = x.shape[-1]
             scale = torch.linalg.vecdot(x, x).unsqueeze(-1).add_(n * self.eps).rsqrt_().mul_(n ** 0.5)
             out = (x * scale).mul_(self.weight)
-        else:  # normalise in float32, scale in the model dtype (as Hugging Face does)
-            out = self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+        else:  # normalise in float32, scale in the model dtype (as Hugging Face does for Llama) ...
+            normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+            if self.weight.dtype == torch.float32:  # ... or, Gemma's (1 + w) kept so, in float32
+                out = (normed * self.weight).to(x.dtype)
+            else:
+                out = self.weight * normed.to(x.dtype)
         return out if residual is None else (out, residual)
 
 

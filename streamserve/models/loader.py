@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from streamserve.config import ModelConfig
+from streamserve.models.layers import RMSNorm
 from streamserve.models.llama import LlamaForCausalLM
 from streamserve.models.quantized import BLOCKS_FILE
 from streamserve.models.registry import build_model
@@ -66,6 +67,10 @@ def load_model(model_config: ModelConfig, device: torch.device,
     model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
                                                device=device))
     model.tie_weights()
+    if model.arch.norm_offset:  # Gemma's norms scale by 1 + w in float32 (transformers' do): kept so
+        for norm in model.modules():
+            if isinstance(norm, RMSNorm):
+                norm.weight.data = norm.weight.data.float()
     if model_config.load_format == "dummy":
         fill_random(model, model_config.seed)
     else:

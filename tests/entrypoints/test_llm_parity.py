@@ -173,3 +173,22 @@ def test_a_tied_checkpoint_with_its_own_head_reads_that_head(tmp_path):
     model = llm.engine_core.model_runner.model
     assert model.lm_head.weight is not model.embed_tokens.weight
     check_parity(llm, path, num_prompts=3, new_tokens=8)
+
+
+def test_gemmas_norms_stay_float32_in_a_bfloat16_model(model_dirs):
+    """Gemma's norms scale by 1 + w: loaded into a bfloat16 model (the GPU's), their weights are
+    kept float32 with the 1 added there (1 + w in bfloat16 lost up to 4e-3 of each), so the norm
+    scales in float32 and rounds once, as transformers' does; the rest is bfloat16."""
+    import torch
+    from safetensors.torch import load_file
+
+    from streamserve.config import Config
+    from streamserve.models.loader import load_model
+
+    path = model_dirs["gemma3"]
+    model = load_model(Config.from_kwargs(model=path).model, torch.device("cpu"), torch.bfloat16)
+    stored = load_file(f"{path}/model.safetensors")
+    norm = model.layers[0].pre_feedforward_layernorm.weight
+    assert norm.dtype == torch.float32 and model.layers[0].self_attn.q_norm.weight.dtype == torch.float32
+    assert torch.equal(norm, stored["model.layers.0.pre_feedforward_layernorm.weight"].float() + 1)
+    assert model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16

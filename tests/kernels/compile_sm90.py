@@ -50,8 +50,10 @@ def compile_all(dt: str) -> None:
                     "slot_mapping_ptr": "*i64"},
                    dict(NUM_KV_HEADS=3, HEAD_DIM=64, HEADS_PAD=4, HEAD_DIM_PAD=64, BLOCK_SIZE=16), num_warps=1)
     for has_residual in (True, False):
-        compile_kernel(norm._rms_norm_kernel, {n: f"*{dt}" for n in ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr")},
-                       dict(HAS_RESIDUAL=has_residual, BLOCK=1024))
+        for weight_dt in {dt, "fp32"}:  # (a float32 weight: Gemma's norms, rounded once)
+            ptrs = {n: f"*{dt}" for n in ("x_ptr", "residual_ptr", "out_ptr")}
+            compile_kernel(norm._rms_norm_kernel, {**ptrs, "weight_ptr": f"*{weight_dt}"},
+                           dict(HAS_RESIDUAL=has_residual, ROUND_NORMED=weight_dt != "fp32", BLOCK=1024))
     compile_kernel(rotary._rotary_kernel,
                    {"positions_ptr": "*i64", "q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "cache_ptr": f"*{dt}"},
                    dict(HALF=32, HALF_PAD=32, Q_HEADS_PAD=16, K_HEADS_PAD=4))

@@ -58,3 +58,25 @@ def test_reference_matches_the_engine_rms_norm(gen, device, dtype):
     assert torch.equal(ref_residual, engine_residual)
     assert rel_err(ref_out, engine_out) < TOLERANCE[dtype]
     assert rel_err(rms_norm_ref(x, norm.weight.detach(), 1e-6), engine_plain) < TOLERANCE[dtype]
+
+
+def test_a_float32_weight_scales_a_bfloat16_row_in_float32(gen, device):
+    """Gemma's norms (1 + w, kept in float32): the kernel and the engine's RMSNorm take
+    transformers' Gemma order, rmsnorm(x) * w in float32 rounded once, not Llama's (rmsnorm(x)
+    rounded to bfloat16 first)."""
+    x = randn(gen, 5, HIDDEN, dtype=torch.bfloat16, device=device) * 3
+    residual = randn(gen, 5, HIDDEN, dtype=torch.bfloat16, device=device)
+    w = weight(gen, torch.float32, device)
+    xf = (x.float() + residual.float()).to(torch.bfloat16).float()
+    gemma = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w).to(torch.bfloat16)
+    norm = RMSNorm(HIDDEN, 1e-6).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+        engine_out, engine_residual = norm(x, residual)
+    out, new_residual = fused_add_rms_norm(x.clone(), residual.clone(), w, 1e-6)
+    ref_out, _ = rms_norm_ref(x, w, 1e-6, residual=residual)
+    for got in (engine_out, out, ref_out):
+        assert rel_err(got, gemma) < TOLERANCE[torch.bfloat16]
+    llama = rms_norm_ref(x, w.bfloat16(), 1e-6, residual=residual)[0]
+    assert rel_err(engine_out, gemma) < rel_err(llama, gemma)
+    assert rel_err(new_residual, engine_residual) < TOLERANCE[torch.bfloat16]
