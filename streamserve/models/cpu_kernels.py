@@ -517,13 +517,14 @@ class _StepLayer(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_void_p) for name in ("input_norm", "post_norm")]
                 + [(name, _Weight * 2) for name in _LINEARS]
                 + [(name, ctypes.c_void_p) for name in ("qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache")]
-                + [("window", ctypes.c_long)])
+                + [("window", ctypes.c_long)]
+                + [(name, ctypes.c_void_p) for name in ("pre_ff_norm", "post_ff_norm", "cos_sin")])
 
 
 class _StepModel(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_long) for name in (
         "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
-        "max_position", "num_slots", "quant_max_tokens", "kv_half", "bf16_dot")]
+        "max_position", "num_slots", "quant_max_tokens", "kv_half", "bf16_dot", "gelu")]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
            ("cos_sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_StepLayer))])
 
@@ -583,6 +584,9 @@ class StepForward:
         for i, (entry, layer, cache) in enumerate(zip(layers, model.layers, kv_caches)):
             attn = layer.self_attn
             entry.window = arch.window(i)
+            entry.pre_ff_norm = ptr(getattr(layer.pre_feedforward_layernorm, "weight", None))
+            entry.post_ff_norm = ptr(getattr(layer.post_feedforward_layernorm, "weight", None))
+            entry.cos_sin = ptr(model.rotary_local.cos_sin_cache if attn.local_rope else None)
             entry.input_norm, entry.post_norm = ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight)
             entry.qkv, entry.o = weights(attn.qkv_proj), weights(attn.o_proj)
             entry.gate_up, entry.down = weights(layer.mlp.gate_up_proj), weights(layer.mlp.down_proj)
@@ -597,6 +601,7 @@ class StepForward:
             block_size=kv_caches[0].shape[2], max_position=model.rotary.cos_sin_cache.shape[0],
             num_slots=kv_caches[0].shape[1] * kv_caches[0].shape[2],
             quant_max_tokens=quant_max_tokens, kv_half=kv_caches[0].dtype == torch.float16, bf16_dot=bf16_dot,
+            gelu=arch.hidden_act == "gelu_tanh",
             eps=arch.rms_norm_eps, scale=arch.scale, final_norm=ptr(model.norm.weight),
             cos_sin=ptr(model.rotary.cos_sin_cache), layers=layers)
         self._model_ref = ctypes.byref(self._model)
@@ -648,17 +653,19 @@ class StepForward:
     def unsupported(model, kv_caches: list[torch.Tensor]) -> Optional[str]:
         """Why `model` with these caches cannot take the C step, or None when it can."""
         arch = model.arch
-        if arch.not_llama():
-            return arch.not_llama()
+        if arch.hidden_act not in ("silu", "gelu_tanh"):
+            return f"its MLP is gated by {arch.hidden_act}"
+        if arch.attn_softcap:
+            return "its attention soft-caps its scores"
         if not fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim) or arch.head_dim % 2:
             return f"heads {arch.num_heads}/{arch.num_kv_heads} of {arch.head_dim}"
         if any(t.dtype not in KV_CACHE_DTYPES or t.dtype != kv_caches[0].dtype or t.device.type != "cpu"
                or not t.is_contiguous() for t in kv_caches):
             return "its KV caches are not all contiguous float32 or all float16 on the CPU"
-        floats = [model.norm.weight, model.rotary.cos_sin_cache]
+        floats = [r.cos_sin_cache for r in model.rotaries()] + [model.norm.weight]
         for layer in model.layers:
             attn = layer.self_attn
-            floats += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            floats += [norm.weight for norm in layer.norms()]
             floats += [t for t in (attn.qkv_proj.bias,) if t is not None]
             if (attn.q_norm is None) != (attn.k_norm is None):
                 return "it norms q or k alone"
@@ -695,7 +702,7 @@ class StepForward:
             if any(int(r.max()) >= b for r, _ in lora.row_lists):
                 raise ValueError(f"a LoRA adapter's row is past the step's {b} tokens")
             step_lora, kept = self._step_lora(lora)  # (kept: alive through the call)
-        hidden = self.model.embed_tokens(input_ids)  # a fresh [B, H] tensor: the step works in it
+        hidden = self.model.embed(input_ids)  # a fresh [B, H] tensor: the step works in it
         rc = self._fn(self._model_ref, hidden.data_ptr(), slot_mapping.data_ptr(), query_start_loc.data_ptr(),
                       block_tables.data_ptr(), seq_lens.data_ptr(), b, n_seqs, block_tables.shape[1],
                       self._scratch.data_ptr(), None if step_lora is None else ctypes.byref(step_lora))

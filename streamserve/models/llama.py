@@ -131,17 +131,6 @@ class LlamaArch:
         """The keys layer `layer_idx` attends to before each query's own position and it (0: all)."""
         return self.layer_windows[layer_idx] if self.layer_windows else 0
 
-    def not_llama(self) -> Optional[str]:
-        """What of this model the C step does not compute (it runs Llama's layers, sliding windows
-        and any attention scale included), or None."""
-        if self.hidden_act != "silu":
-            return f"its MLP is gated by {self.hidden_act}"
-        if self.norm_offset or self.embed_scale != 1.0 or self.sandwich_norms or self.final_softcap:
-            return "it is a Gemma (its norms, embedding or logits differ)"
-        if self.attn_softcap or self.local_rope_theta is not None:
-            return "its attention soft-caps its scores or rotates windowed layers by their own base"
-        return None
-
 
 # config.json's activation names -> the model's (gelu_pytorch_tanh and gelu_new are both GELU's tanh form)
 _ACTIVATIONS = {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
@@ -283,13 +272,19 @@ class LlamaForCausalLM(nn.Module):
         adapters, added to the linear layers' outputs of their requests' rows."""
         ctx = ForwardContext(attention, self.rotary.for_step(positions), low_precision, lora,
                              self.rotary_local.for_step(positions) if self.rotary_local is not None else None)
-        hidden = self.embed_tokens(input_ids)
-        if self.arch.embed_scale != 1.0:  # (the scale in the model's dtype, as transformers takes it)
-            hidden = hidden * torch.tensor(self.arch.embed_scale, dtype=hidden.dtype)
+        hidden = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings, a fresh tensor; Gemma's scaled by sqrt(hidden) (the scale in the
+        model's dtype, as transformers takes it)."""
+        hidden = self.embed_tokens(input_ids)
+        if self.arch.embed_scale != 1.0:
+            hidden.mul_(torch.tensor(self.arch.embed_scale, dtype=hidden.dtype))
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor, low_precision: bool = False) -> torch.Tensor:

@@ -192,3 +192,21 @@ def test_gemmas_norms_stay_float32_in_a_bfloat16_model(model_dirs):
     assert norm.dtype == torch.float32 and model.layers[0].self_attn.q_norm.weight.dtype == torch.float32
     assert torch.equal(norm, stored["model.layers.0.pre_feedforward_layernorm.weight"].float() + 1)
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma3"])
+def test_gemma_steps_run_in_one_c_call(model_dirs, arch):
+    """Where the C kernels load, Gemma's and Gemma 3's steps take the one-call C step (its
+    GELU gate, sandwich norms, scaled embedding, windowed layers' own rotary table), and match
+    transformers as the op-by-op path does; Gemma 2's soft-capped scores keep it op by op."""
+    llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=24)
+    runner = llm.engine_core.model_runner
+    if runner.c_kernels is None:
+        pytest.skip("the C kernels do not load here")
+    assert runner.c_step is not None
+    calls = []
+    original = runner.c_step.__call__
+    runner.c_step = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
+    check_parity(llm, model_dirs[arch], num_prompts=5, new_tokens=12)
+    assert calls
+    assert LLM(model_dirs["gemma2"], dtype="float32", kv_cache_memory="32MiB").engine_core.model_runner.c_step is None

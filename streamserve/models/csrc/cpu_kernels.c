@@ -1886,7 +1886,11 @@ typedef struct {
     const float *qkv_bias;                  /* [Hq * D + 2 * Hkv * D] or NULL (Qwen2 has one) */
     const float *q_norm, *k_norm;           /* [D] or NULL (Qwen3's per-head RMSNorm) */
     void *k_cache, *v_cache;                /* [num_blocks * bs, Hkv, D] each, float32 or float16 */
-    long window;                            /* its sliding window, or 0 (Mistral's, Phi-3's) */
+    long window;                            /* its sliding window, or 0 (Mistral's, Phi-3's, Gemma 3's) */
+    /* Gemma 3's: the norms before and after the MLP (post_norm then norms attention's output
+     * before the residual add), and a windowed layer's own rotary table; NULL for Llama's */
+    const float *pre_ff_norm, *post_ff_norm; /* [H] */
+    const float *cos_sin;                   /* [max_position, 2, D], in place of the model's */
 } StepLayer;
 
 typedef struct {
@@ -1895,6 +1899,7 @@ typedef struct {
     long quant_max_tokens;                  /* the most tokens a step may have to read the GGUF blocks */
     long kv_half;                           /* whether the caches hold float16 */
     long bf16_dot;                          /* whether the prefill attention takes bfloat16 dot products */
+    long gelu;                              /* the MLP's gate: SiLU (0) or GELU's tanh form (1, Gemma's) */
     float eps, scale;
     const float *final_norm;                /* [H] */
     const float *cos_sin;                   /* [max_position, 2, D]: cos, then sin with its first half negated */
@@ -1973,20 +1978,28 @@ static void rotate_heads(float *x, long n, long D, const float *cs) {
     }
 }
 
-/* out[t] = silu(gate_up[t, :I]) * gate_up[t, I:], for T rows. */
-static void silu_and_mul_f32(const float *gate_up, float *out, long T, long I) {
+/* out[t] = act(gate_up[t, :I]) * gate_up[t, I:], for T rows: act silu(x) = x / (1 + e^-x), or
+ * with `gelu`, GELU's tanh form 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3) (Gemma's),
+ * which is x / (1 + e^-2u): the same quotient. */
+static void act_and_mul_f32(const float *gate_up, float *out, long T, long I, long gelu) {
 #pragma omp parallel for schedule(static) if (T * I > 65536)
     for (long t = 0; t < T; t++) {
         const float *g = gate_up + t * 2 * I, *u = g + I;
         float *o = out + t * I;
         long i = 0;
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        const __m256 c1 = _mm256_set1_ps(1.5957691216057308f), c3 = _mm256_set1_ps(0.044715f);
         for (; i + 8 <= I; i += 8) {
             const __m256 x = _mm256_loadu_ps(g + i);
-            const __m256 e = exp_ps(_mm256_sub_ps(zero, x));
+            /* the exponent's argument: x, or 2u = 2 sqrt(2 / pi) (x + 0.044715 x^3) */
+            const __m256 a = gelu ? _mm256_mul_ps(c1, _mm256_fmadd_ps(_mm256_mul_ps(c3, x), _mm256_mul_ps(x, x), x)) : x;
+            const __m256 e = exp_ps(_mm256_sub_ps(zero, a));
             _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
         }
-        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (; i < I; i++) {
+            const float a = gelu ? 1.5957691216057308f * (g[i] + 0.044715f * g[i] * g[i] * g[i]) : g[i];
+            o[i] = g[i] / (1.0f + expf(-a)) * u[i];
+        }
     }
 }
 
@@ -2058,7 +2071,7 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
                     rms_norm_f32(row, 0, L->q_norm, row, Hq, D, m->eps);
                     rms_norm_f32(row + Hq * D, 0, L->k_norm, row + Hq * D, Hkv, D, m->eps);
                 }
-                rotate_heads(row, Hq + Hkv, D, m->cos_sin + position * 2 * D);
+                rotate_heads(row, Hq + Hkv, D, (L->cos_sin ? L->cos_sin : m->cos_sin) + position * 2 * D);
                 if (slots[t] >= 0) {
                     store_kv(L->k_cache, slots[t] * kv_row, row + Hq * D, kv_row, m->kv_half);
                     store_kv(L->v_cache, slots[t] * kv_row, row + Hq * D + kv_row, kv_row, m->kv_half);
@@ -2073,11 +2086,17 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
             return -5;
         if (step_gemv(m, L->o, attn, hidden, B, H, Hq * D) || (lora && lora_add(lora, l, 1, attn, hidden, H, Hq * D)))
             return -5;
-        rms_norm_f32(hidden, residual, L->post_norm, x, B, H, m->eps);  /* residual += attention out */
+        if (L->pre_ff_norm) {  /* Gemma's: attention's output normed, added, normed again */
+            rms_norm_f32(hidden, 0, L->post_norm, hidden, B, H, m->eps);
+            rms_norm_f32(hidden, residual, L->pre_ff_norm, x, B, H, m->eps);
+        } else {
+            rms_norm_f32(hidden, residual, L->post_norm, x, B, H, m->eps);  /* residual += attention out */
+        }
         if (step_gemv(m, L->gate_up, x, gate_up, B, 2 * I, H) || (lora && lora_add(lora, l, 2, x, gate_up, 2 * I, H)))
             return -5;
-        silu_and_mul_f32(gate_up, act, B, I);
+        act_and_mul_f32(gate_up, act, B, I, m->gelu);
         if (step_gemv(m, L->down, act, hidden, B, H, I) || (lora && lora_add(lora, l, 3, act, hidden, H, I))) return -5;
+        if (L->post_ff_norm) rms_norm_f32(hidden, 0, L->post_ff_norm, hidden, B, H, m->eps);
     }
     rms_norm_f32(hidden, residual, m->final_norm, hidden, B, H, m->eps);
     return 0;
