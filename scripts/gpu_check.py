@@ -17,7 +17,8 @@ seconds, and the decode section's engines and batch sizes stop DECODE_RESERVE se
   4. greedy parity with transformers on a tiny random Llama (float32), with CUDA graphs
      and with enforce_eager, with n-gram speculative decoding (its steps of guesses run
      eagerly beside the graphs), and with every other prompt of a batch through a random LoRA
-     adapter (against the model with it merged into its weights);
+     adapter (against the model with it merged into its weights); then tiny Gemma 2 and Gemma 3
+     models (sliding windows, soft-capped scores, their own rotary) with graphs;
   5. decode throughput of a Llama-3.2-1B-shaped model (random weights, bfloat16) at
      batch 1, 8, 64, 256, graphs (first: the figures the targets need) then eager, each mode
      failing on its own (the tokens a timed step made, checked against the batch: every request
@@ -202,14 +203,13 @@ def staging_check(report: Report, device: torch.device) -> None:
 
 # -- 4. greedy parity with transformers --------------------------------------------------
 
-def parity(report: Report, device: torch.device, work: str, smoke: bool) -> None:
+PARITY_PROMPTS = [[3 + (i * 7 + j * 13) % 300 for j in range(n)] for i, n in enumerate((5, 40, 17, 90))]
+
+
+def hf_greedy(model_dir: str, device: torch.device, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens for each prompt, float32 on `device`."""
     from transformers import AutoModelForCausalLM
 
-    from tiny_models import build_model
-
-    model_dir = build_model(os.path.join(work, "tiny-llama"), "llama", seed=0)
-    prompts = [[3 + (i * 7 + j * 13) % 300 for j in range(n)] for i, n in enumerate((5, 40, 17, 90))]
-    new_tokens = 8 if smoke else 24
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     hf.generation_config.eos_token_id = None
     expected = []
@@ -220,6 +220,17 @@ def parity(report: Report, device: torch.device, work: str, smoke: bool) -> None
                               do_sample=False, pad_token_id=0)
         expected.append(seq[0, len(p):].tolist())
     del hf
+    free_memory()
+    return expected
+
+
+def parity(report: Report, device: torch.device, work: str, smoke: bool) -> None:
+    from tiny_models import build_model
+
+    model_dir = build_model(os.path.join(work, "tiny-llama"), "llama", seed=0)
+    prompts = PARITY_PROMPTS
+    new_tokens = 8 if smoke else 24
+    expected = hf_greedy(model_dir, device, prompts, new_tokens)
     for eager, speculative in ((False, None), (True, None), (False, SPECULATIVE)):
         name = "eager" if eager else "graphs" + (", speculative decoding" if speculative else "")
         try:  # a failure of the graphs engine keeps the eager check
@@ -236,6 +247,30 @@ def parity(report: Report, device: torch.device, work: str, smoke: bool) -> None
             f"; {kept} of {checked} guesses kept)" if speculative else ")")
         report.add("parity", f"tiny Llama float32, {mode}", f"{same}/{len(prompts)} prompts identical",
                    "all identical", same == len(prompts) and (not speculative or checked > 0))
+
+
+def gemma_parity(report: Report, device: torch.device, work: str, smoke: bool) -> None:
+    """Tiny Gemma 2 (every other layer windowed to 16 keys, soft-capped scores and logits) and
+    Gemma 3 (windows with their own rotary base, q/k norms, sandwich norms) on the graphs engine,
+    on prompts longer than the window: transformers' greedy tokens."""
+    from tiny_models import build_model
+
+    new_tokens = 8 if smoke else 24
+    for arch, what in (("gemma2", "windows of 16, capped scores"), ("gemma3", "windows of 16, own rotary")):
+        model_dir = build_model(os.path.join(work, f"tiny-{arch}"), arch, seed=0)
+        expected = hf_greedy(model_dir, device, PARITY_PROMPTS, new_tokens)
+        try:
+            outs, replays, _ = greedy_run(model_dir, device, False, PARITY_PROMPTS, new_tokens)
+        except Exception as exc:
+            traceback.print_exc()
+            report.add("parity", f"tiny {arch} float32 ({what}): failed", f"{type(exc).__name__}: {str(exc)[:300]}",
+                       ok=False)
+            continue
+        finally:
+            free_memory()
+        same = sum(o == e for o, e in zip(outs, expected))
+        report.add("parity", f"tiny {arch} float32 ({what}), graphs ({replays} replays)",
+                   f"{same}/{len(PARITY_PROMPTS)} prompts identical", "all identical", same == len(PARITY_PROMPTS))
 
 
 def lora_parity(report: Report, device: torch.device, work: str, smoke: bool) -> None:
@@ -506,6 +541,7 @@ def main() -> None:
                 ("attention", lambda: attention_bandwidth(report, device, copy_bw, args.smoke)),
                 ("parity", lambda: parity(report, device, work, args.smoke)),
                 ("lora", lambda: lora_parity(report, device, work, args.smoke)),
+                ("gemma", lambda: gemma_parity(report, device, work, args.smoke)),
                 ("decode", lambda: throughput(report, device, work, copy_bw, args.smoke,
                                               started + args.limit - DECODE_RESERVE))]
     for section, run in sections:

@@ -139,11 +139,25 @@ def test_the_gpu_checks_parity_rows_on_the_cpu(tmp_path, monkeypatch):
     assert "guesses kept" in report.rows[2]["item"]
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_gemmas_windows_and_caps_on_the_triton_path(model_dirs, arch):
-    """Gemma 2 (every other layer windowed to 16 keys, soft-capped scores and logits) and Gemma 3
-    (windows with their own rotary base, q/k norms) through the kernels, in mixed steps and
-    graph-buffer decode steps, on prompts longer than the window: transformers' tokens."""
+def test_the_gpu_checks_gemma_rows_on_the_cpu(tmp_path, monkeypatch):
+    """scripts/gpu_check.py's Gemma 2 and Gemma 3 parity rows (windows, capped scores, their own
+    rotary) through Triton's interpreter at tiny sizes: each matches transformers."""
+    import importlib
+    import os
+
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
+    monkeypatch.syspath_prepend(scripts)
+    gpu_check = importlib.import_module("gpu_check")
+    report = gpu_check.Report()
+    gpu_check.gemma_parity(report, torch.device("cpu"), str(tmp_path), smoke=True)
+    assert [(r["value"], r["ok"]) for r in report.rows] == [("4/4 prompts identical", True)] * 2
+
+
+def test_gemma3s_windows_in_mixed_and_graph_buffer_steps_on_the_triton_path(model_dirs):
+    """Gemma 3 (windows with their own rotary base, q/k norms) through the kernels, in mixed
+    steps and graph-buffer decode steps padded past the batch, on prompts longer than the
+    window: transformers' tokens."""
+    arch = "gemma3"
     llm = triton_llm(model_dirs[arch], max_num_batched_tokens=24)
     runner = llm.engine_core.model_runner
     runner.graphs = runner.make_decode_graphs()
