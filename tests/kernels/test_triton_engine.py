@@ -86,6 +86,16 @@ def test_lora_steps_run_eagerly_beside_graph_replays(model_dirs, tmp_path):
     assert replays
 
 
+def import_gpu_check(monkeypatch):
+    """scripts/gpu_check.py as a module (sys.path restored after the test)."""
+    import importlib
+    import os
+
+    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
+    monkeypatch.syspath_prepend(scripts)
+    return importlib.import_module("gpu_check")
+
+
 def test_steps_that_check_guesses_run_eagerly_and_keep_the_output(model_dirs):
     """Speculative decoding on the GPU path: a step that checks guesses (a chunk of each such
     request's last token and its guesses) runs eagerly through the Triton kernels, the pure
@@ -113,12 +123,7 @@ def test_steps_that_check_guesses_run_eagerly_and_keep_the_output(model_dirs):
 def test_the_gpu_checks_lora_row_on_the_cpu(tmp_path, monkeypatch):
     """scripts/gpu_check.py's LoRA parity row, run here through Triton's interpreter (tiny
     sizes): the batch with an adapter on every other prompt matches transformers."""
-    import importlib
-    import os
-
-    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
-    monkeypatch.syspath_prepend(scripts)
-    gpu_check = importlib.import_module("gpu_check")
+    gpu_check = import_gpu_check(monkeypatch)
     report = gpu_check.Report()
     gpu_check.lora_parity(report, torch.device("cpu"), str(tmp_path), smoke=True)
     assert [(r["value"], r["ok"]) for r in report.rows] == [("4/4 prompts identical", True)]
@@ -127,12 +132,7 @@ def test_the_gpu_checks_lora_row_on_the_cpu(tmp_path, monkeypatch):
 def test_the_gpu_checks_parity_rows_on_the_cpu(tmp_path, monkeypatch):
     """scripts/gpu_check.py's parity rows (the engine, eager, and with speculative decoding),
     through Triton's interpreter at tiny sizes: each matches transformers."""
-    import importlib
-    import os
-
-    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
-    monkeypatch.syspath_prepend(scripts)
-    gpu_check = importlib.import_module("gpu_check")
+    gpu_check = import_gpu_check(monkeypatch)
     report = gpu_check.Report()
     gpu_check.parity(report, torch.device("cpu"), str(tmp_path), smoke=True)
     assert [(r["value"], r["ok"]) for r in report.rows] == [("4/4 prompts identical", True)] * 3
@@ -142,12 +142,7 @@ def test_the_gpu_checks_parity_rows_on_the_cpu(tmp_path, monkeypatch):
 def test_the_gpu_checks_gemma_rows_on_the_cpu(tmp_path, monkeypatch):
     """scripts/gpu_check.py's Gemma 2 and Gemma 3 parity rows (windows, capped scores, their own
     rotary) through Triton's interpreter at tiny sizes: each matches transformers."""
-    import importlib
-    import os
-
-    scripts = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts")
-    monkeypatch.syspath_prepend(scripts)
-    gpu_check = importlib.import_module("gpu_check")
+    gpu_check = import_gpu_check(monkeypatch)
     report = gpu_check.Report()
     gpu_check.gemma_parity(report, torch.device("cpu"), str(tmp_path), smoke=True)
     assert [(r["value"], r["ok"]) for r in report.rows] == [("4/4 prompts identical", True)] * 2
