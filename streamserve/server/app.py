@@ -436,6 +436,10 @@ class _Call:
         self.beam = protocol.beam_search(body, self.params)  # vLLM's use_beam_search, or None
         # tool_choice "required" or a named function: the output is held to the calls' schema
         self.tool_calling = tool_calling(body, tools, serving.server.tool_call_parser) if chat else None
+        if (self.tool_calling is not None and self.tool_calling.parser == "mistral"
+                and body.get("skip_special_tokens") is None):  # (as vLLM's mistral parser asks)
+            # the newer Mistral models' calls, [TOOL_CALLS]name[ARGS]{...}, are told by their special tokens
+            self.params = dataclasses.replace(self.params, skip_special_tokens=False)
         if self.tool_calling is not None and self.tool_calling.structured is not None:
             if self.params.structured_outputs is not None:
                 raise bad_request("a tool call is JSON of its own: give 'tool_choice' or 'response_format' / "

@@ -16,8 +16,10 @@ reply content, with --tool-call-parser pythonic a reply that is a Python list of
 [get_weather(city="Rome", days=2), get_time()], as Llama 3.2 and 4 write them, is those calls
 (their keyword arguments, Python literals, as JSON) and any other reply content, and with
 --tool-call-parser mistral a reply that is a JSON array of {"name": ..., "arguments": ...}
-objects (after [TOOL_CALLS], where special tokens are kept), as Mistral's models write them, is
-those calls; without one it is refused, as vLLM refuses it without --enable-auto-tool-choice.
+objects (after [TOOL_CALLS], where special tokens are kept), as Mistral's models write them, or
+in the newer models' form [TOOL_CALLS]name[ARGS]{...} (one per call; its special tokens kept, as
+vLLM keeps them for this parser, unless the request sets skip_special_tokens), is those calls;
+without one it is refused, as vLLM refuses it without --enable-auto-tool-choice.
 
 Streamed, a named call's arguments go out as the text comes, the call's id, type and name on
 its first delta; with "required" each call goes out whole as soon as its object closes, with
@@ -359,8 +361,12 @@ def _mistral_calls(text: str) -> Optional[list[tuple[str, str]]]:
     """(name, arguments) of each call of a reply that is one JSON array of {"name": ...,
     "arguments": {...}} objects (after [TOOL_CALLS], where special tokens are kept), as Mistral's
     models write them, each read as hermes reads its block's (arguments as written, or a JSON
-    string's value), and only an object taken as arguments; None for any other reply."""
-    body = text.strip().removeprefix(_TOOL_CALLS).strip()
+    string's value), and only an object taken as arguments; or of a reply in the newer form
+    [TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]...; None for any other reply."""
+    body = text.strip()
+    if body.startswith(_TOOL_CALLS) and _ARGS in body:
+        return _mistral_args_calls(body)
+    body = body.removeprefix(_TOOL_CALLS).strip()
     if not body.startswith("["):
         return None
     calls, at = [], _BLANK.match(body, 1).end()
@@ -381,7 +387,25 @@ def _mistral_calls(text: str) -> Optional[list[tuple[str, str]]]:
         at = _BLANK.match(body, at + 1).end()
 
 
-_TOOL_CALLS = "[TOOL_CALLS]"  # Mistral's, where special tokens are kept
+def _mistral_args_calls(body: str) -> Optional[list[tuple[str, str]]]:
+    """(name, arguments) of each [TOOL_CALLS]name[ARGS]{...} of a reply made of those alone
+    (arguments a JSON object, as written); None where anything else is in it."""
+    calls = []
+    for piece in body.split(_TOOL_CALLS)[1:]:
+        name, args, arguments = piece.partition(_ARGS)
+        arguments = arguments.strip(" \t\n\r")
+        if not args or not _NAME.fullmatch(name.strip()) or _ARGS in arguments or not _encodable(arguments):
+            return None
+        try:
+            if not isinstance(json.loads(arguments), dict):
+                return None
+        except (ValueError, RecursionError):
+            return None
+        calls.append((name.strip(), arguments))
+    return calls or None
+
+
+_TOOL_CALLS, _ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's, where special tokens are kept
 # the parsers that read a reply whole, at its end: text -> its calls, or None where it is content
 _WHOLE_REPLY = {"pythonic": _pythonic_calls, "mistral": _mistral_calls}
 

@@ -843,14 +843,23 @@ MISTRAL = [  # (text, content, calls as (name, arguments))
     ('[{"name": "a", "arguments": {}, "id": 1}]', '[{"name": "a", "arguments": {}, "id": 1}]', []),
     ('[{"name": "a", "arguments": {"s": "\\udddd", "n": 1e999}}]', None, [("a", '{"s": "\\udddd", "n": 1e999}')]),
     ("[]", "[]", []),
+    # the newer models' form: [TOOL_CALLS]name[ARGS]{...} a call
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2}', None, [("get_weather", '{"city": "Rome", "days": 2}')]),
+    ('[TOOL_CALLS]a[ARGS]{"q": "[TOOL"}[TOOL_CALLS]b[ARGS]{}\n', None, [("a", '{"q": "[TOOL"}'), ("b", "{}")]),
+    ('[TOOL_CALLS]a[ARGS]{"x": 1} and more', '[TOOL_CALLS]a[ARGS]{"x": 1} and more', []),
+    ('[TOOL_CALLS]a[ARGS][1]', '[TOOL_CALLS]a[ARGS][1]', []),
+    ('[TOOL_CALLS]a b[ARGS]{}', '[TOOL_CALLS]a b[ARGS]{}', []),
+    ('[TOOL_CALLS]a[ARGS]{}[ARGS]{}', '[TOOL_CALLS]a[ARGS]{}[ARGS]{}', []),
+    ('[TOOL_CALLS]a[ARGS]{"s": "\\udddd"}', None, [("a", '{"s": "\\udddd"}')]),
+    ('[TOOL_CALLS]a[ARGS]{', '[TOOL_CALLS]a[ARGS]{', []),
 ]
 
 
 @pytest.mark.parametrize("text, content, calls", MISTRAL)
 def test_the_mistral_parser_reads_a_json_array_of_calls_whole_and_in_pieces(text, content, calls):
     """--tool-call-parser mistral: a reply that is one JSON array of {"name", "arguments"}
-    objects (after [TOOL_CALLS]) is those calls; any other reply is content. Fed in pieces, the
-    deltas add up to the same."""
+    objects (after [TOOL_CALLS]), or [TOOL_CALLS]name[ARGS]{...} calls alone, is those calls;
+    any other reply is content. Fed in pieces, the deltas add up to the same."""
     _check_parser("mistral", text, content, calls)
 
 
@@ -910,12 +919,15 @@ def test_tool_choice_auto_with_the_hermes_parser(model_dirs):
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Rome", "days": 2}}; {"name": "get_time", "parameters": {}}'),
     ("pythonic", '[get_weather(city="Rome", days=2), get_time()]'),
     ("mistral", '[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}, {"name": "get_time", "arguments": {}}]'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2}[TOOL_CALLS]get_time[ARGS]{}'),
 ])
 def test_tool_choice_auto_with_the_llama3_json_pythonic_and_mistral_parsers(model_dirs, parser, calls):
     """--tool-call-parser llama3_json (two JSON calls apart by ";"), pythonic (a Python list of
-    two calls) and mistral (a JSON array of two): the reply is two calls, streamed the same
-    (pythonic's and mistral's in the last chunk, read whole at the end); a reply of text is
-    content. (The model is held to each reply by a choice.)"""
+    two calls) and mistral (a JSON array of two, or the newer [TOOL_CALLS]name[ARGS]{...}): the
+    reply is two calls, streamed the same (pythonic's and mistral's in the last chunk, read whole
+    at the end); a reply of text is content. mistral keeps the special tokens in the text (the
+    newer form is told by them) unless the request says otherwise. (The model is held to each
+    reply by a choice.)"""
     from live_server import serve_in_thread
 
     for live in serve_in_thread(model_dirs["llama"], served_model_name="tiny", tool_call_parser=parser):
@@ -932,6 +944,15 @@ def test_tool_choice_auto_with_the_llama3_json_pythonic_and_mistral_parsers(mode
             if want:
                 streamed = _streamed_calls(client.chat.completions.create(**kwargs, stream=True))
                 assert [(c["name"], c["arguments"]) for c in streamed[0]] == want
+        from transformers import AutoTokenizer
+
+        special = AutoTokenizer.from_pretrained(model_dirs["llama"]).convert_tokens_to_ids("<|im_start|>")
+        for skip in (None, True):  # a reply of one special token (of the tiny tokenizer's)
+            out = client.chat.completions.create(
+                model="tiny", messages=user, max_tokens=1, temperature=0, tools=[WEATHER],
+                logit_bias={str(special): 100}, extra_body={} if skip is None else {"skip_special_tokens": skip})
+            kept = parser == "mistral" and skip is None
+            assert (out.choices[0].message.content or "") == ("<|im_start|>" if kept else "")
 
 
 def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(client):
