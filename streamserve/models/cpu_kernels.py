@@ -266,11 +266,11 @@ class CpuKernels:
         self._norm.restype = None
         self._decode = lib.paged_decode_attention
         self._decode.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 5
-                                 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long, ctypes.c_long])
+                                 + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long, ctypes.c_long, ctypes.c_float])
         self._decode.restype = None
         self._prefill = lib.paged_prefill_attention
         self._prefill.argtypes = ([ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 6
-                                  + [ctypes.c_long] * 6 + [ctypes.c_float] + [ctypes.c_long] * 3)
+                                  + [ctypes.c_long] * 6 + [ctypes.c_float] + [ctypes.c_long] * 3 + [ctypes.c_float])
         self._prefill.restype = ctypes.c_int
         self._sample = lib.sample_rows
         self._sample.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_long] + [ctypes.c_void_p] * 6
@@ -296,23 +296,26 @@ class CpuKernels:
         return out
 
     def paged_decode_attention(self, q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
-                               seq_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                               seq_lens: torch.Tensor, scale: float, window: int = 0,
+                               softcap: Optional[float] = None) -> torch.Tensor:
         """q [B, Hq, D] or [B, Hq * D] float32 (rows may be strided, as slices of the fused QKV
         output are), cache [2, num_blocks, block_size, Hkv, D] float32 or float16, block_tables
         [B, W] and seq_lens [B] int64 -> [B, Hq * D]: each row's single query against its sequence's keys
-        (its last `window` keys, with a sliding window > 0).
+        (its last `window` keys, with a sliding window > 0; scores softcap * tanh(score / softcap)
+        with a soft cap, Gemma 2's).
         The tables must cover each sequence's length (the runner builds them so)."""
         num_heads, out = self._check_attention(q, cache, block_tables, seq_lens, q.shape[0])
         _, _, block_size, num_kv_heads, head_dim = cache.shape
         self._decode(q.data_ptr(), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
                      block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
                      q.shape[0], num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
-                     cache.dtype == torch.float16, max(window, 0))
+                     cache.dtype == torch.float16, max(window, 0), softcap or 0.0)
         return out
 
     def paged_prefill_attention(self, q: torch.Tensor, cache: torch.Tensor, query_start_loc: torch.Tensor,
                                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                                bf16_dot: bool = False, window: int = 0) -> torch.Tensor:
+                                bf16_dot: bool = False, window: int = 0,
+                                softcap: Optional[float] = None) -> torch.Tensor:
         """Causal attention of S sequences' query rows: sequence s's are rows query_start_loc[s] ..
         query_start_loc[s + 1] - 1 of q (as for paged_decode_attention), at the last positions
         before seq_lens[s], each over its keys up to its own position, through row s of block_tables
@@ -320,7 +323,7 @@ class CpuKernels:
         With `bf16_dot`, where the build has AVX512-BF16 (bf16_dot_min_rows) and head_dim is a
         multiple of 16, both products take bfloat16 dot products (q, K, V and the softmax's weights
         rounded to bfloat16; the sums and the softmax stay float32). With a sliding `window` > 0,
-        each row sees only its last `window` keys."""
+        each row sees only its last `window` keys; `softcap` as paged_decode_attention's."""
         n_seqs = seq_lens.shape[0]
         num_heads, out = self._check_attention(q, cache, block_tables, seq_lens, n_seqs)
         loc = query_start_loc.tolist()
@@ -335,7 +338,7 @@ class CpuKernels:
         if self._prefill(q.data_ptr(), q.stride(0), cache[0].data_ptr(), cache[1].data_ptr(),
                          query_start_loc.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
                          n_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], scale,
-                         cache.dtype == torch.float16, bf16_dot, max(window, 0)):
+                         cache.dtype == torch.float16, bf16_dot, max(window, 0), softcap or 0.0):
             raise MemoryError("the CPU prefill attention found no memory for its scratch")
         return out
 
@@ -525,7 +528,8 @@ class _StepModel(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_long) for name in (
         "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
         "max_position", "num_slots", "quant_max_tokens", "kv_half", "bf16_dot", "gelu")]
-        + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("final_norm", ctypes.c_void_p),
+        + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+           ("final_norm", ctypes.c_void_p),
            ("cos_sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_StepLayer))])
 
 
@@ -602,7 +606,7 @@ class StepForward:
             num_slots=kv_caches[0].shape[1] * kv_caches[0].shape[2],
             quant_max_tokens=quant_max_tokens, kv_half=kv_caches[0].dtype == torch.float16, bf16_dot=bf16_dot,
             gelu=arch.hidden_act == "gelu_tanh",
-            eps=arch.rms_norm_eps, scale=arch.scale, final_norm=ptr(model.norm.weight),
+            eps=arch.rms_norm_eps, scale=arch.scale, softcap=arch.attn_softcap or 0.0, final_norm=ptr(model.norm.weight),
             cos_sin=ptr(model.rotary.cos_sin_cache), layers=layers)
         self._model_ref = ctypes.byref(self._model)
         per_token = kernels.lib.step_scratch_floats
@@ -655,8 +659,6 @@ class StepForward:
         arch = model.arch
         if arch.hidden_act not in ("silu", "gelu_tanh"):
             return f"its MLP is gated by {arch.hidden_act}"
-        if arch.attn_softcap:
-            return "its attention soft-caps its scores"
         if not fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim) or arch.head_dim % 2:
             return f"heads {arch.num_heads}/{arch.num_kv_heads} of {arch.head_dim}"
         if any(t.dtype not in KV_CACHE_DTYPES or t.dtype != kv_caches[0].dtype or t.device.type != "cpu"

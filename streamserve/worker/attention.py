@@ -87,7 +87,7 @@ class TorchPagedAttention:
         if self.meta.prefill_seq_lens is not None:
             out[nd:] = self.kernels.paged_prefill_attention(
                 q[nd:], cache, self.meta.prefill_query_start_loc, self.meta.prefill_block_tables,
-                self.meta.prefill_seq_lens, self.scale, self.bf16_dot, self.window)
+                self.meta.prefill_seq_lens, self.scale, self.bf16_dot, self.window, self.softcap)
             return out
         for chunk in prefills:
             rows = slice(chunk.query_start, chunk.query_end)
@@ -99,7 +99,7 @@ class TorchPagedAttention:
         tables = self.meta.decode_block_tables  # [B, nb], flattened for index_select
         if self.meta.decode_seq_lens is not None:
             return self.kernels.paged_decode_attention(q, cache, tables, self.meta.decode_seq_lens, self.scale,
-                                                       self.window)
+                                                       self.window, self.softcap)
         # [B * nb, bs, Hkv, D] -> [B, Hkv, L, D]
         shape = (b, -1, self.num_kv_heads, self.head_dim)
         k = cache[0].index_select(0, tables.view(-1)).view(shape).transpose(1, 2).to(q.dtype)

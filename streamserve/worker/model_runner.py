@@ -138,9 +138,9 @@ class ModelRunner:
         arch = self.model.arch
         # the distinct sliding windows of the layers
         self.windows = sorted(set(arch.layer_windows) - {0})
-        # whether attention takes the C kernels: not for soft-capped scores (Gemma 2)
-        self.cpu_attention = (self.c_kernels is not None and not arch.attn_softcap
-                              and cpu_kernels.fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim))
+        # whether attention takes the C kernels (they take the windows and Gemma 2's soft cap)
+        self.cpu_attention = self.c_kernels is not None and cpu_kernels.fits_decode_attention(
+            arch.num_heads, arch.num_kv_heads, arch.head_dim)
         # A bfloat16 checkpoint, where the C kernels take bfloat16 dot products (AVX512-BF16): the
         # GEMM of its larger steps and its prefill attention do (x, q, K, V rounded to bfloat16).
         self.bf16_dot = (self.c_kernels is not None and low_precision == torch.bfloat16

@@ -194,11 +194,11 @@ def test_gemmas_norms_stay_float32_in_a_bfloat16_model(model_dirs):
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma3"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
 def test_gemma_steps_run_in_one_c_call(model_dirs, arch):
-    """Where the C kernels load, Gemma's and Gemma 3's steps take the one-call C step (its
-    GELU gate, sandwich norms, scaled embedding, windowed layers' own rotary table), and match
-    transformers as the op-by-op path does; Gemma 2's soft-capped scores keep it op by op."""
+    """Where the C kernels load, Gemma's, Gemma 2's and Gemma 3's steps take the one-call C step
+    (its GELU gate, sandwich norms, scaled embedding, Gemma 2's soft-capped scores, Gemma 3's
+    windowed layers' own rotary table), and match transformers as the op-by-op path does."""
     llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=24)
     runner = llm.engine_core.model_runner
     if runner.c_kernels is None:
@@ -209,4 +209,3 @@ def test_gemma_steps_run_in_one_c_call(model_dirs, arch):
     runner.c_step = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
     check_parity(llm, model_dirs[arch], num_prompts=5, new_tokens=12)
     assert calls
-    assert LLM(model_dirs["gemma2"], dtype="float32", kv_cache_memory="32MiB").engine_core.model_runner.c_step is None

@@ -373,31 +373,33 @@ def test_decode_attention_matches_the_torch_path(num_heads, num_kv_heads, head_d
 @needs_kernel
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32)])
 @pytest.mark.parametrize("lens", [[1, 15, 16, 101, 70, 0], [1000, 0]])
-@pytest.mark.parametrize("window", [7, 40])
+@pytest.mark.parametrize("window, softcap", [(7, None), (40, None), (0, 1.5), (7, 1.5)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 def test_decode_attention_in_a_sliding_window_matches_the_torch_path(num_heads, num_kv_heads, head_dim, lens,
-                                                                     window, cache_dtype):
+                                                                     window, softcap, cache_dtype):
     """With a sliding window (Mistral's, Gemma's), each row sees its last `window` keys: a window
     inside one block, across blocks, wider than the short rows; the long row's window split into
-    chunks merged after."""
+    chunks merged after. With a soft cap (Gemma 2's) the scores are cap * tanh(score / cap)."""
     from streamserve.worker.attention import AttentionMetadata, TorchPagedAttention
 
     gen = torch.Generator().manual_seed(num_heads + window)
     block_size = 16
+    q_scale = 4.0 if softcap else 1.0  # (scores large enough for the cap to bend them)
     num_blocks, tables = scattered_tables(lens, block_size, gen)
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
-    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen) * q_scale
     seq_lens = torch.tensor(lens)
-    out = kernels.paged_decode_attention(q, cache, tables, seq_lens, 0.1, window)
+    out = kernels.paged_decode_attention(q, cache, tables, seq_lens, 0.1, window, softcap)
     assert torch.equal(out[-1], torch.zeros(num_heads * head_dim))
     slots = torch.arange(tables.shape[1] * block_size)[None, :]
     lens_ = seq_lens[:-1, None]
-    mask = torch.zeros(len(lens) - 1, slots.shape[1]).masked_fill_((slots >= lens_) | (slots < lens_ - window),
-                                                                   float("-inf")).view(len(lens) - 1, 1, 1, -1)
+    mask = torch.zeros(len(lens) - 1, slots.shape[1]).masked_fill_(
+        (slots >= lens_) | (slots < lens_ - window) if window else slots >= lens_, float("-inf")).view(len(lens) - 1, 1, 1, -1)
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), num_decodes=len(lens) - 1,
-                             decode_block_tables=tables[:-1], decode_mask=None, prefills=[],
+                             decode_block_tables=tables[:-1], decode_mask=mask, prefills=[],
                              decode_window_masks={window: mask})
-    torch_path = TorchPagedAttention([cache], meta, num_heads, num_kv_heads, head_dim, scale=0.1, windows=(window,))
+    torch_path = TorchPagedAttention([cache], meta, num_heads, num_kv_heads, head_dim, scale=0.1, windows=(window,),
+                                     softcap=softcap)
     torch_path.window = window
     ref = torch_path._decode(q[:-1], cache)
     torch.testing.assert_close(out[:-1], ref, rtol=1e-5, atol=1e-5)
@@ -476,7 +478,7 @@ def test_prefill_attention_takes_bfloat16_dot_products_where_asked_and_built(num
 
 
 def prefill_attention_and_reference(lib, bf16_dot, num_heads, num_kv_heads, head_dim, block_size, cache_dtype,
-                                    chunks, window: int = 0):
+                                    chunks, window: int = 0, softcap=None):
     """For each chunk: the kernel's output (one call for all chunks), the torch path's SDPA on the
     same cache, and the torch path's on q (scaled), K and V rounded to bfloat16; with a sliding
     `window`, both seeing only each row's last `window` keys."""
@@ -496,7 +498,9 @@ def prefill_attention_and_reference(lib, bf16_dot, num_heads, num_kv_heads, head
     qkv = torch.randn(rows, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
     q = qkv[:, :num_heads * head_dim].view(rows, num_heads, head_dim)
     scale = head_dim ** -0.5
-    out = lib.paged_prefill_attention(q, cache, starts, tables, torch.tensor(lens), scale, bf16_dot, window)
+    if softcap:
+        q = q * 4  # (scores large enough for the cap to bend them)
+    out = lib.paged_prefill_attention(q, cache, starts, tables, torch.tensor(lens), scale, bf16_dot, window, softcap)
 
     prefills = [PrefillChunk(a, b, ctx, tables[i, :-(-(ctx + b - a) // block_size)])
                 for i, ((ctx, _), a, b) in enumerate(zip(chunks, starts[:-1].tolist(), starts[1:].tolist()))]
@@ -509,7 +513,8 @@ def prefill_attention_and_reference(lib, bf16_dot, num_heads, num_kv_heads, head
         for c, qc in ((cache, q), (rounded_cache, rounded_q)):
             k, v = (c[i].index_select(0, chunk.block_ids).flatten(0, 1)[chunk.num_computed_tokens:][:rows.stop - rows.start]
                     for i in (0, 1))
-            torch_path = TorchPagedAttention([c], meta, num_heads, num_kv_heads, head_dim, windows=(window,))
+            torch_path = TorchPagedAttention([c], meta, num_heads, num_kv_heads, head_dim, windows=(window,),
+                                             softcap=softcap)
             torch_path.window = window
             refs.append(torch_path._prefill(qc[rows], k.float(), v.float(), c, chunk))
         yield out[rows], *refs
@@ -517,22 +522,23 @@ def prefill_attention_and_reference(lib, bf16_dot, num_heads, num_kv_heads, head
 
 @needs_kernel
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (8, 2, 128)])
-@pytest.mark.parametrize("window", [5, 40, 300])
+@pytest.mark.parametrize("window, softcap", [(5, None), (40, None), (300, None), (0, 1.5), (40, 1.5)])
 @pytest.mark.parametrize("build", BUILDS)
 def test_prefill_attention_in_a_sliding_window_matches_the_torch_path(num_heads, num_kv_heads, head_dim, window,
-                                                                      build):
+                                                                      softcap, build):
     """With a sliding window, each row sees its last `window` keys: windows inside a task's rows,
     across them, and wider than most contexts; chunks with and without context before, and few
     rows after a long one (its keys split into chunks, merged after); float32 products, and
-    bfloat16 ones where built (against the torch path on the rounded inputs)."""
+    bfloat16 ones where built (against the torch path on the rounded inputs). With a soft cap
+    (Gemma 2's), the scores are cap * tanh(score / cap)."""
     chunks = [(0, 5), (40, 1), (37, 100), (0, 100), (300, 70), (2000, 4)]
     lib = built(build)
     for got, want, _ in prefill_attention_and_reference(lib, False, num_heads, num_kv_heads, head_dim, 16,
-                                                        torch.float16, chunks, window):
+                                                        torch.float16, chunks, window, softcap):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if lib.bf16_dot_min_rows > 0 and head_dim % 16 == 0:
         for got, _, want_rounded in prefill_attention_and_reference(lib, True, num_heads, num_kv_heads, head_dim, 16,
-                                                                    torch.float16, chunks, window):
+                                                                    torch.float16, chunks, window, softcap):
             torch.testing.assert_close(got, want_rounded, rtol=0, atol=5e-3)
 
 

@@ -1092,13 +1092,26 @@ static inline __attribute__((always_inline)) void weighted_rows(float *acc, cons
         }                                                                                         \
     }
 
+/* n scores x -> cap * tanh(x / cap) (Gemma 2's soft cap), tanh(y) as 1 - 2 / (1 + e^2y). */
+static void soft_cap(float *x, long n, float cap) {
+    const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), c = _mm256_set1_ps(cap);
+    const __m256 twice_inv = _mm256_set1_ps(2.0f / cap);
+    long i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), twice_inv));
+        _mm256_storeu_ps(x + i, _mm256_mul_ps(c, _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(one, e)))));
+    }
+    for (; i < n; i++) x[i] = cap * tanhf(x[i] / cap);
+}
+
 /* Online softmax of every query head (q [Hq, D], already scaled; query heads h*G .. h*G+G-1 read
  * KV head h) over keys [start, end) of one sequence: m (running maxima), l (running sums), acc
  * [Hq, D] (unnormalised outputs). A tile of keys is taken for every KV head before the next, so
  * its cache rows (a token's heads side by side) are read whole and in order. */
 static inline __attribute__((always_inline)) void attend_keys(
         const float *q, const void *k_cache, const void *v_cache, const int64_t *table, long Hkv,
-        long D, long bs, long G, long start, long end, float *m, float *l, float *acc, const int half) {
+        long D, long bs, long G, long start, long end, float *m, float *l, float *acc, float softcap,
+        const int half) {
     float s[ATTN_MAX_Q * ATTN_TILE];
     long rows[2 * ATTN_TILE + 8];  /* row offsets (elements, head 0) of the tile's keys and the next
                                       tile's, walked block by block: no division per key */
@@ -1133,6 +1146,7 @@ static inline __attribute__((always_inline)) void attend_keys(
         }
         for (long g = 0; g < Hkv * G; g++) {
             float *sg = s + g * ATTN_TILE;
+            if (softcap > 0.0f) soft_cap(sg, n, softcap);
             /* a NaN score may be skipped here: exp_ps and expf keep it NaN, and so the sums */
             __m256 vtop = _mm256_set1_ps(m[g]);
             long j = 0;
@@ -1183,14 +1197,14 @@ static inline __attribute__((always_inline)) void attend_keys(
 
 static void attend_keys_f32(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                             long Hq, long Hkv, long D, long bs, long start, long end, float *mp, float *lp,
-                            float *acc) {
-    attend_keys(q, k_cache, v_cache, table, Hkv, D, bs, Hq / Hkv, start, end, mp, lp, acc, 0);
+                            float *acc, float softcap) {
+    attend_keys(q, k_cache, v_cache, table, Hkv, D, bs, Hq / Hkv, start, end, mp, lp, acc, softcap, 0);
 }
 
 static void attend_keys_f16(const float *q, const void *k_cache, const void *v_cache, const int64_t *table,
                             long Hq, long Hkv, long D, long bs, long start, long end, float *mp, float *lp,
-                            float *acc) {
-    attend_keys(q, k_cache, v_cache, table, Hkv, D, bs, Hq / Hkv, start, end, mp, lp, acc, 1);
+                            float *acc, float softcap) {
+    attend_keys(q, k_cache, v_cache, table, Hkv, D, bs, Hq / Hkv, start, end, mp, lp, acc, softcap, 1);
 }
 
 /* Into how many chunks the keys of each of `tasks` tasks are split, so that every thread has
@@ -1248,13 +1262,14 @@ static void merge_chunks(const float *part, long chunks, long B, long Hq, long D
  * turn, from L2, 0.65-0.75x as fast as this from memory). With few sequences the keys are split
  * into chunks so every thread has work, and the chunks' partial results are merged by
  * their log-sum-exp (flash-decoding). A sequence of length 0 gets zeros. With a sliding `window`
- * > 0, each query sees only its sequence's last `window` keys (0: all).
+ * > 0, each query sees only its sequence's last `window` keys (0: all); with `softcap` > 0 the
+ * scores are softcap * tanh(score / softcap) (Gemma 2's).
  * Hq <= ATTN_MAX_Q, Hq * D <= ATTN_MAX_QD.
  */
 void paged_decode_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
                             const int64_t *tables, const int64_t *seq_lens, float *out,
                             long B, long Hq, long Hkv, long D, long bs, long W, float scale, long kv_half,
-                            long window) {
+                            long window, float softcap) {
     const long QD = Hq * D;
     long max_len = 0;  /* the most keys a sequence sees */
     for (long b = 0; b < B; b++) {
@@ -1276,7 +1291,7 @@ void paged_decode_attention(const float *q, long q_row_stride, const void *k_cac
             for (long h = 0; h < Hq; h++) mp[h] = -INFINITY, lp[h] = 0.0f;
             for (long i = 0; i < QD; i++) acc[i] = 0.0f, qs[i] = q[b * q_row_stride + i] * scale;
             (kv_half ? attend_keys_f16 : attend_keys_f32)(qs, k_cache, v_cache, tables + b * W, Hq, Hkv, D, bs,
-                                                          start, end, mp, lp, acc);
+                                                          start, end, mp, lp, acc, softcap);
             if (chunks == 1) {
                 float *o = out + b * QD;
                 for (long h = 0; h < Hq; h++) {
@@ -1634,7 +1649,7 @@ static inline __attribute__((always_inline)) void prefill_task(
         const float *q, long q_row_stride, const void *k_cache, const void *v_cache, const int64_t *table,
         long Hq, long Hkv, long D, long bs, long h, long row0, long pos0, long first, long count, long k0,
         long k1, float scale, float *out, float *part, long part_row0, long c, long chunks, float *scratch,
-        long window, const int NV, const int half, const int DOT) {
+        long window, float softcap, const int NV, const int half, const int DOT) {
     const long G = Hq / Hkv, Dp = (D + 7) / 8 * 8;
     float *qt = scratch, *kt = qt + D * PF_LANES, *vt = kt + PF_KEYS * Dp, *s = vt + PF_KEYS * Dp;
     float *acc = s + PF_KEYS * PF_LANES, *m = acc + Dp * PF_LANES, *l = m + PF_LANES, *alpha = l + PF_LANES;
@@ -1721,6 +1736,8 @@ static inline __attribute__((always_inline)) void prefill_task(
         } else
 #endif
         lane_scores(qt, DOT ? (const void *)kb : kt, n, D, Dp, s, NV, DOT);
+        if (softcap > 0.0f)
+            for (long j = 0; j < n; j++) soft_cap(s + j * PF_LANES, NV * VL, softcap);
         if (window > 0 && t0 <= pos[PF_LANES - 1] - window)  /* keys before a lane's window: hidden */
             for (long j = 0; j < n; j++)
                 for (long i = 0; i < NV * VL; i++)
@@ -1765,12 +1782,14 @@ static inline __attribute__((always_inline)) void prefill_task(
 typedef void (*prefill_task_fn)(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
                                 const int64_t *table, long Hq, long Hkv, long D, long bs, long h, long row0,
                                 long pos0, long first, long count, long k0, long k1, float scale, float *out,
-                                float *part, long part_row0, long c, long chunks, float *scratch, long window);
+                                float *part, long part_row0, long c, long chunks, float *scratch, long window,
+                                float softcap);
 #define PREFILL_TASK(NAME, HALF, DOT)                                                             \
     static void NAME(const float *q, long q_row_stride, const void *k_cache, const void *v_cache, \
                      const int64_t *table, long Hq, long Hkv, long D, long bs, long h, long row0,  \
                      long pos0, long first, long count, long k0, long k1, float scale, float *out, \
-                     float *part, long part_row0, long c, long chunks, float *scratch, long window) { \
+                     float *part, long part_row0, long c, long chunks, float *scratch, long window,  \
+                     float softcap) {                                                             \
         switch ((count + VL - 1) / VL) {                                                          \
         TASK_CASE(1, HALF, DOT) TASK_CASE(2, HALF, DOT) TASK_CASE(3, HALF, DOT)                   \
         TASK_CASE(4, HALF, DOT) TASK_CASE(5, HALF, DOT) default: TASK_CASE(6, HALF, DOT)          \
@@ -1779,7 +1798,7 @@ typedef void (*prefill_task_fn)(const float *q, long q_row_stride, const void *k
 #define TASK_CASE(NV, HALF, DOT)                                                                  \
     case NV:                                                                                      \
         prefill_task(q, q_row_stride, k_cache, v_cache, table, Hq, Hkv, D, bs, h, row0, pos0, first, count, \
-                     k0, k1, scale, out, part, part_row0, c, chunks, scratch, window, NV, HALF, DOT); \
+                     k0, k1, scale, out, part, part_row0, c, chunks, scratch, window, softcap, NV, HALF, DOT); \
         break;
 PREFILL_TASK(prefill_task_f32, 0, 0)
 PREFILL_TASK(prefill_task_f16, 1, 0)
@@ -1804,12 +1823,13 @@ PREFILL_TASK(prefill_task_f16_amx, 1, 2)
  * sequence's KV head and PF_LANES of its query lanes) run longest first; with too few of them
  * for the threads (a few rows after a long context: a prompt's last chunk, a cached chat's new
  * turn) each also takes only a chunk of the keys, merged after as the decodes' are. With a
- * sliding `window` > 0, each row sees only its last `window` keys (its own among them).
+ * sliding `window` > 0, each row sees only its last `window` keys (its own among them); `softcap`
+ * as paged_decode_attention's.
  * Returns 0, or -1 (computing nothing) when there is no memory for the scratch. */
 int paged_prefill_attention(const float *q, long q_row_stride, const void *k_cache, const void *v_cache,
                             const int64_t *query_start_loc, const int64_t *tables, const int64_t *seq_lens,
                             float *out, long S, long Hq, long Hkv, long D, long bs, long W, float scale,
-                            long kv_half, long bf16_dot, long window) {
+                            long kv_half, long bf16_dot, long window, float softcap) {
     const long G = Hq / Hkv, row0 = query_start_loc[0], rows = query_start_loc[S] - row0;
     prefill_task_fn task = kv_half ? prefill_task_f16 : prefill_task_f32;
 #ifdef BF16_DOT
@@ -1854,7 +1874,7 @@ int paged_prefill_attention(const float *q, long q_row_stride, const void *k_cac
         const long count = lanes - first < PF_LANES ? lanes - first : PF_LANES, per = (seq_lens[s] - lo + chunks - 1) / chunks;
         task(q, q_row_stride, k_cache, v_cache, tables + s * W, Hq, Hkv, D, bs, h, start, seq_lens[s] - n, first,
              count, lo + c * per, lo + (c + 1) * per, scale, out, part, row0, c, chunks,
-             scratch + omp_get_thread_num() * scratch_floats, window);
+             scratch + omp_get_thread_num() * scratch_floats, window, softcap);
     }
     if (part)
         merge_chunks(part, chunks, rows, Hq, D, out + row0 * Hq * D);
@@ -1901,6 +1921,7 @@ typedef struct {
     long bf16_dot;                          /* whether the prefill attention takes bfloat16 dot products */
     long gelu;                              /* the MLP's gate: SiLU (0) or GELU's tanh form (1, Gemma's) */
     float eps, scale;
+    float softcap;                          /* the attention scores' soft cap, or 0 (Gemma 2's) */
     const float *final_norm;                /* [H] */
     const float *cos_sin;                   /* [max_position, 2, D]: cos, then sin with its first half negated */
     const StepLayer *layers;
@@ -2079,10 +2100,10 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
             }
         if (nd)
             paged_decode_attention(qkv, QKV, L->k_cache, L->v_cache, tables, seq_lens, attn,
-                                   nd, Hq, Hkv, D, m->block_size, W, m->scale, m->kv_half, L->window);
+                                   nd, Hq, Hkv, D, m->block_size, W, m->scale, m->kv_half, L->window, m->softcap);
         if (nd < S && paged_prefill_attention(qkv, QKV, L->k_cache, L->v_cache, query_start_loc + nd, tables + nd * W,
                                               seq_lens + nd, attn, S - nd, Hq, Hkv, D, m->block_size, W, m->scale,
-                                              m->kv_half, m->bf16_dot, L->window))
+                                              m->kv_half, m->bf16_dot, L->window, m->softcap))
             return -5;
         if (step_gemv(m, L->o, attn, hidden, B, H, Hq * D) || (lora && lora_add(lora, l, 1, attn, hidden, H, Hq * D)))
             return -5;
