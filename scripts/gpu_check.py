@@ -163,6 +163,11 @@ def kernel_checks(report: Report, device: torch.device, smoke: bool) -> None:
         out, new_res = norm.fused_add_rms_norm(x.clone(), res.clone(), w, 1e-5)
         check("fused_add_rms_norm", max(rel_err(out, ref_out), rel_err(new_res, ref_res)))
         check("rms_norm", rel_err(norm.rms_norm(x, w, 1e-5), norm.rms_norm_ref(x, w, 1e-5)))
+        if dtype != torch.float32:  # Gemma's norms: a float32 weight (1 + w), scaled in float32, rounded once
+            wf = w.float()
+            ref_out, ref_res = norm.rms_norm_ref(x, wf, 1e-5, residual=res)
+            out, new_res = norm.fused_add_rms_norm(x.clone(), res.clone(), wf, 1e-5)
+            check("fused_add_rms_norm, float32 weight", max(rel_err(out, ref_out), rel_err(new_res, ref_res)))
         rope = RotaryEmbedding(64, 4096, 500000.0, LLAMA_1B["rope_scaling"])
         rope.build_cache(device, dtype)
         positions = torch.randint(0, 4096, (33,), generator=gen).to(dev)

@@ -18,7 +18,8 @@ reply content, with --tool-call-parser pythonic a reply that is a Python list of
 --tool-call-parser mistral a reply that is a JSON array of {"name": ..., "arguments": ...}
 objects (after [TOOL_CALLS], where special tokens are kept), as Mistral's models write them, or
 in the newer models' form [TOOL_CALLS]name[ARGS]{...} (one per call; its special tokens kept, as
-vLLM keeps them for this parser, unless the request sets skip_special_tokens), is those calls;
+vLLM keeps them for this parser, unless the request sets skip_special_tokens; text before
+the first [TOOL_CALLS] is content), is those calls;
 without one it is refused, as vLLM refuses it without --enable-auto-tool-choice.
 
 Streamed, a named call's arguments go out as the text comes, the call's id, type and name on
@@ -26,7 +27,9 @@ its first delta; with "required" each call goes out whole as soon as its object 
 "auto" as soon as its block closes (the text around it as content; whitespace between calls,
 and what could begin a tag, held back until it is plain which it is); pythonic's reply, where
 it begins with "[", is held back whole until it ends (only then is it plain whether it is a
-list of calls), and streams as content from its first character otherwise; so is mistral's.
+list of calls), and streams as content from its first character otherwise; so is mistral's,
+whose reply may also be content up to a [TOOL_CALLS] (streamed as it comes) and calls from there
+(read at the end).
 """
 
 from __future__ import annotations
@@ -180,11 +183,14 @@ class ToolCallReader:
         self._plain = False  # llama3_json: the reply turned out to be text, not calls
         self._object: Optional[_ObjectEnd] = None  # the call object being read (llama3_json, "required")
         self._close_from = 0  # hermes: where the search for the open block's </tool_call> goes on
+        self._held = False  # mistral: its calls' part has begun, held to the close
 
     def feed(self, text: str) -> dict[str, Any]:
         self.text += text
         if self.calling.parser == "llama3_json":
             return self._llama3_json()
+        if self.calling.parser == "mistral":
+            return self._mistral()
         if self.calling.parser in _WHOLE_REPLY:
             return self._whole_reply()
         if self.calling.parser is not None:
@@ -306,6 +312,24 @@ class ToolCallReader:
         self._read = len(self.text)
         return self._delta(content, [])
 
+    def _mistral(self) -> dict[str, Any]:
+        """mistral: a reply that begins with "[" (after whitespace) is held back whole, as
+        pythonic's; any other streams as content up to a [TOOL_CALLS] (the characters that could
+        begin one held back), from which the rest is held, to be read at the close as calls
+        (or as content where it is none)."""
+        if self._held:
+            return {}
+        at = self.text.find(_TOOL_CALLS, self._read)
+        if at >= 0:
+            self._held = True
+        elif self._read == 0 and self.text.lstrip()[:1] in ("[", ""):
+            return {}  # the array form, or not known yet: held whole
+        else:
+            at = len(self.text) - _partial_suffix(self.text, self._read, _TOOL_CALLS)
+        content = self._text(self.text[self._read:at])
+        self._read = at
+        return self._delta(content, [])
+
     def _text(self, text: str) -> str:
         """Content as it comes, but for its trailing whitespace, held back until more content
         comes (then it is content) or a call does (then it is not): so where the text was cut
@@ -364,9 +388,10 @@ def _mistral_calls(text: str) -> Optional[list[tuple[str, str]]]:
     string's value), and only an object taken as arguments; or of a reply in the newer form
     [TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]...; None for any other reply."""
     body = text.strip()
-    if body.startswith(_TOOL_CALLS) and _ARGS in body:
-        return _mistral_args_calls(body)
-    body = body.removeprefix(_TOOL_CALLS).strip()
+    if body.startswith(_TOOL_CALLS):
+        body = body[len(_TOOL_CALLS):].lstrip()
+        if not body.startswith("["):
+            return _mistral_args_calls(text.strip())
     if not body.startswith("["):
         return None
     calls, at = [], _BLANK.match(body, 1).end()
@@ -388,24 +413,46 @@ def _mistral_calls(text: str) -> Optional[list[tuple[str, str]]]:
 
 
 def _mistral_args_calls(body: str) -> Optional[list[tuple[str, str]]]:
-    """(name, arguments) of each [TOOL_CALLS]name[ARGS]{...} of a reply made of those alone
-    (arguments a JSON object, as written); None where anything else is in it."""
-    calls = []
-    for piece in body.split(_TOOL_CALLS)[1:]:
-        name, args, arguments = piece.partition(_ARGS)
-        arguments = arguments.strip(" \t\n\r")
-        if not args or not _NAME.fullmatch(name.strip()) or _ARGS in arguments or not _encodable(arguments):
+    """(name, arguments) of each [TOOL_CALLS]name[ARGS]{...} of a reply made of those alone (also
+    with a [CALL_ID]id before [ARGS], or no [ARGS] before the object, as vLLM reads them;
+    arguments a JSON object, as written); None where anything else is in it."""
+    calls, at, decoder = [], 0, json.JSONDecoder()
+    while at < len(body):
+        if not body.startswith(_TOOL_CALLS, at):
             return None
-        try:
-            if not isinstance(json.loads(arguments), dict):
+        name = _MISTRAL_NAME.match(body, at + len(_TOOL_CALLS))
+        if name is None:
+            return None
+        at = name.end()
+        if body.startswith(_CALL_ID, at):  # an id up to [ARGS]
+            at = body.find(_ARGS, at)
+            if at < 0:
                 return None
+        if body.startswith(_ARGS, at):
+            at += len(_ARGS)
+        at = _BLANK.match(body, at).end()
+        try:
+            value, end = decoder.raw_decode(body, at)
         except (ValueError, RecursionError):
             return None
-        calls.append((name.strip(), arguments))
+        arguments = body[at:end]
+        if not isinstance(value, dict) or not _encodable(arguments):
+            return None
+        calls.append((name.group(1), arguments))
+        at = _BLANK.match(body, end).end()
     return calls or None
 
 
-_TOOL_CALLS, _ARGS = "[TOOL_CALLS]", "[ARGS]"  # Mistral's, where special tokens are kept
+def _partial_suffix(text: str, start: int, tag: str) -> int:
+    """How many of text's last characters (from `start` on) could begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text) - start), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+_TOOL_CALLS, _ARGS, _CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's, where special tokens are kept
+_MISTRAL_NAME = re.compile(r"[ \t\n\r]*([A-Za-z0-9_-]{1,64})[ \t\n\r]*")
 # the parsers that read a reply whole, at its end: text -> its calls, or None where it is content
 _WHOLE_REPLY = {"pythonic": _pythonic_calls, "mistral": _mistral_calls}
 

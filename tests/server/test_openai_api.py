@@ -852,14 +852,25 @@ MISTRAL = [  # (text, content, calls as (name, arguments))
     ('[TOOL_CALLS]a[ARGS]{}[ARGS]{}', '[TOOL_CALLS]a[ARGS]{}[ARGS]{}', []),
     ('[TOOL_CALLS]a[ARGS]{"s": "\\udddd"}', None, [("a", '{"s": "\\udddd"}')]),
     ('[TOOL_CALLS]a[ARGS]{', '[TOOL_CALLS]a[ARGS]{', []),
+    # the markers' text inside arguments; an id before [ARGS]; no [ARGS]; text before the calls
+    ('[TOOL_CALLS][{"name": "say", "arguments": {"text": "a [ARGS] b"}}]', None, [("say", '{"text": "a [ARGS] b"}')]),
+    ('[TOOL_CALLS]say[ARGS]{"text": "use [ARGS] or [TOOL_CALLS]"}', None,
+     [("say", '{"text": "use [ARGS] or [TOOL_CALLS]"}')]),
+    ('[TOOL_CALLS]a[CALL_ID]Ab12cD34e[ARGS]{"x": 1}', None, [("a", '{"x": 1}')]),
+    ('[TOOL_CALLS]a{"x": 1}[TOOL_CALLS]b {}', None, [("a", '{"x": 1}'), ("b", "{}")]),
+    ('Let me check. [TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}', "Let me check.",
+     [("get_weather", '{"city": "Rome"}')]),
+    ("See [TOOL_CALLS] here", "See [TOOL_CALLS] here", []),
+    ("Ends with [TOOL_CA", "Ends with [TOOL_CA", []),
 ]
 
 
 @pytest.mark.parametrize("text, content, calls", MISTRAL)
 def test_the_mistral_parser_reads_a_json_array_of_calls_whole_and_in_pieces(text, content, calls):
     """--tool-call-parser mistral: a reply that is one JSON array of {"name", "arguments"}
-    objects (after [TOOL_CALLS]), or [TOOL_CALLS]name[ARGS]{...} calls alone, is those calls;
-    any other reply is content. Fed in pieces, the deltas add up to the same."""
+    objects (after [TOOL_CALLS]), or [TOOL_CALLS]name[ARGS]{...} calls, is those calls, and text
+    before a [TOOL_CALLS] content; any other reply is content. Fed in pieces, the deltas add up
+    to the same."""
     _check_parser("mistral", text, content, calls)
 
 
