@@ -417,7 +417,7 @@ class ServerConfig:
                 "(a reply of {\"name\": ..., \"parameters\": ...} objects, as Llama 3.1-3.3 write them) or "
                 "'pythonic' (a reply that is a Python list of calls, [f(a=1), g()], as Llama 3.2 and 4 write them) "
                 "or 'mistral' (a JSON array of {\"name\": ..., \"arguments\": ...} objects, as Mistral's models "
-                "write them)"})
+                "write them, or the newer models' [TOOL_CALLS]name[ARGS]{...})"})
     reasoning_parser: Optional[str] = field(default=None, metadata={
         "help": "give a chat reply's <think> block apart from its content, as the message's "
                 "'reasoning' (and 'reasoning_content'): 'deepseek_r1' or 'qwen3' (DeepSeek-R1 and its "
