@@ -160,6 +160,10 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+# LlamaArch.hidden_act -> the MLP's gate (GELU exact, or its tanh form: Gemma's)
+GATES = {"silu": silu_and_mul, "gelu": gelu_and_mul, "gelu_tanh": gelu_tanh_and_mul}
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
     """Rotary inverse frequencies, with Llama-3-style or linear scaling."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))

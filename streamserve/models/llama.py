@@ -26,8 +26,8 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from streamserve.models.layers import (AttentionFn, ForwardContext, Linear, PackedEmbedding, RMSNorm,
-                                       RotaryEmbedding, gelu_and_mul, gelu_tanh_and_mul, silu_and_mul)
+from streamserve.models.layers import (GATES, AttentionFn, ForwardContext, Linear, PackedEmbedding, RMSNorm,
+                                       RotaryEmbedding)
 from streamserve.lora.adapter import LoRATarget
 from streamserve.lora.step import LoRAStep
 from streamserve.models.quantized import QuantizedWeight
@@ -111,7 +111,7 @@ class LlamaArch:
             qk_norm=qk_norm,
             o_bias=bool(cfg.get("attention_bias", False)) and not qkv_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            hidden_act=_ACTIVATIONS.get(act, act),
+            hidden_act=ACTIVATIONS.get(act, act),
             norm_offset=gemma > 0,
             embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
             sandwich_norms=gemma >= 2,
@@ -132,9 +132,10 @@ class LlamaArch:
         return self.layer_windows[layer_idx] if self.layer_windows else 0
 
 
-# config.json's activation names -> the model's (gelu_pytorch_tanh and gelu_new are both GELU's tanh form)
-_ACTIVATIONS = {"swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# config.json's activation names the gates compute -> the gate (layers.GATES; GELU's tanh form
+# goes by three names)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+               "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 
 
 def sliding_windows(cfg: dict, every: int, opt_in: bool = False) -> tuple[int, ...]:
@@ -197,8 +198,8 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
-        # silu_and_mul: or streamserve_kernels.activation.silu_and_mul (use_kernels)
-        self.act = {"silu": silu_and_mul, "gelu": gelu_and_mul, "gelu_tanh": gelu_tanh_and_mul}[arch.hidden_act]
+        # (SiLU's: streamserve_kernels.activation.silu_and_mul under use_kernels)
+        self.act = GATES[arch.hidden_act]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return ctx.linear(self.down_proj, self.act(ctx.linear(self.gate_up_proj, x)))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from streamserve.models.llama import _ACTIVATIONS, ACTIVATIONS, LlamaArch, LlamaForCausalLM
+from streamserve.models.layers import GATES
+from streamserve.models.llama import ACTIVATIONS, LlamaArch, LlamaForCausalLM
 
 # architecture name in config.json -> (q/k/v projections carry a bias, per-head q/k RMSNorm,
 # Gemma's generation or 0, whether config.json's sliding_window is read: transformers' Llama
@@ -34,10 +35,10 @@ def build_model(hf_config: dict) -> LlamaForCausalLM:
         if name in _ARCHITECTURES:
             qkv_bias, qk_norm, gemma, windowed = _ARCHITECTURES[name]
             arch = LlamaArch.from_hf_config(hf_config, qkv_bias, qk_norm, gemma, windowed)
-            if arch.hidden_act not in ACTIVATIONS:
+            if arch.hidden_act not in GATES:
                 key = "hidden_activation" if gemma >= 2 else "hidden_act"
                 raise ValueError(f"{key} {arch.hidden_act!r} is not supported: streamserve runs MLPs gated by "
-                                 + ", ".join(sorted(set(_ACTIVATIONS) | set(ACTIVATIONS) - {"gelu_tanh"})))
+                                 + ", ".join(sorted(ACTIVATIONS)))
             return LlamaForCausalLM(arch)
     raise ValueError(f"model architecture {archs or '(none given)'} is not supported; "
                      f"streamserve runs {', '.join(supported_architectures())}")
