@@ -571,8 +571,7 @@ class ModelRunner:
             if self.cpu_attention:  # the C kernel stops at each length itself
                 meta.decode_seq_lens = self.to_device(seq_lens[:nd])
             else:
-                meta.decode_mask = self._decode_mask(seq_lens[:nd], max_blocks)
-                meta.decode_window_masks = {w: self._decode_mask(seq_lens[:nd], max_blocks, w) for w in self.windows}
+                meta.decode_mask, meta.decode_window_masks = self._decode_masks(seq_lens[:nd], max_blocks)
         return meta
 
     # -- CUDA graphs -----------------------------------------------------------------
@@ -596,20 +595,28 @@ class ModelRunner:
         return (self.graphs is not None and meta.num_decodes == num_tokens
                 and num_tokens <= self.graphs.max_batch)
 
-    def _decode_mask(self, seq_lens: np.ndarray, max_blocks: int, window: int = 0) -> Optional[torch.Tensor]:
-        """An additive mask hiding the slots past each decode's length (and with a sliding
-        `window`, those before its last `window`), unless no row has such slots."""
+    def _decode_masks(self, seq_lens: np.ndarray, max_blocks: int
+                      ) -> tuple[Optional[torch.Tensor], dict[int, Optional[torch.Tensor]]]:
+        """Additive masks hiding the slots past each decode's length: for the layers without a
+        window, and per sliding window of the model's (those before its last `window` slots
+        too); None where no row has such slots. The lengths go to the device once."""
         width = max_blocks * self.block_size
-        if (seq_lens == width).all() and (not window or (seq_lens <= window).all()):
-            return None
-        lens = self.to_device(seq_lens)[:, None]
-        slots = torch.arange(width, device=self.device)
-        visible = slots < lens
-        if window:
-            visible &= slots >= lens - window
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, float("-inf"))
-        return mask.view(len(seq_lens), 1, 1, -1)
+        lens = slots = None
+
+        def mask(window: int) -> Optional[torch.Tensor]:
+            nonlocal lens, slots
+            if (seq_lens == width).all() and (not window or (seq_lens <= window).all()):
+                return None
+            if lens is None:
+                lens, slots = self.to_device(seq_lens)[:, None], torch.arange(width, device=self.device)
+            visible = slots < lens
+            if window:
+                visible &= slots >= lens - window
+            out = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+            out.masked_fill_(~visible, float("-inf"))
+            return out.view(len(seq_lens), 1, 1, -1)
+
+        return mask(0), {w: mask(w) for w in self.windows}
 
 
 def _row_masks(rows: list, masks: dict[str, np.ndarray]) -> list[Optional[np.ndarray]]:

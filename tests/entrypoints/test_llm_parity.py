@@ -209,3 +209,16 @@ def test_gemma_steps_run_in_one_c_call(model_dirs, arch):
     runner.c_step = lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs)
     check_parity(llm, model_dirs[arch], num_prompts=5, new_tokens=12)
     assert calls
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_windows_and_caps_on_the_torch_path_without_the_c_kernels(model_dirs, monkeypatch, arch):
+    """Where the C kernels do not load, the decodes' window masks (the runner's, one per window
+    of the model's) and the plain product of Gemma 2's capped scores match transformers too."""
+    from streamserve.worker import model_runner
+
+    monkeypatch.setattr(model_runner.cpu_kernels, "load", lambda: None)
+    llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=24)
+    runner = llm.engine_core.model_runner
+    assert runner.c_kernels is None and not runner.cpu_attention and runner.windows == [16]
+    check_parity(llm, model_dirs[arch], num_prompts=5, new_tokens=12)
