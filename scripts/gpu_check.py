@@ -17,8 +17,9 @@ seconds, and the decode section's engines and batch sizes stop DECODE_RESERVE se
   4. greedy parity with transformers on a tiny random Llama (float32), with CUDA graphs
      and with enforce_eager, with n-gram speculative decoding (its steps of guesses run
      eagerly beside the graphs), and with every other prompt of a batch through a random LoRA
-     adapter (against the model with it merged into its weights); then tiny Gemma 2 and Gemma 3
-     models (sliding windows, soft-capped scores, their own rotary) with graphs;
+     adapter (against the model with it merged into its weights); then tiny Gemma 2, Gemma 3,
+     SmolLM3 and Granite models (sliding windows, soft-capped scores, their own rotary, a layer
+     without rotary, Granite's multipliers) with graphs;
   5. decode throughput of a Llama-3.2-1B-shaped model (random weights, bfloat16) at
      batch 1, 8, 64, 256, graphs (first: the figures the targets need) then eager, each mode
      failing on its own (the tokens a timed step made, checked against the batch: every request
@@ -254,14 +255,16 @@ def parity(report: Report, device: torch.device, work: str, smoke: bool) -> None
                    "all identical", same == len(prompts) and (not speculative or checked > 0))
 
 
-def gemma_parity(report: Report, device: torch.device, work: str, smoke: bool) -> None:
-    """Tiny Gemma 2 (every other layer windowed to 16 keys, soft-capped scores and logits) and
-    Gemma 3 (windows with their own rotary base, q/k norms, sandwich norms) on the graphs engine,
-    on prompts longer than the window: transformers' greedy tokens."""
+def kin_parity(report: Report, device: torch.device, work: str, smoke: bool) -> None:
+    """Llama's kin on the graphs engine: tiny Gemma 2 (every other layer windowed to 16 keys,
+    soft-capped scores and logits), Gemma 3 (windows with their own rotary base, q/k norms,
+    sandwich norms), SmolLM3 (a layer without rotary) and Granite (its multipliers), on prompts
+    longer than the window: transformers' greedy tokens."""
     from tiny_models import build_model
 
     new_tokens = 8 if smoke else 24
-    for arch, what in (("gemma2", "windows of 16, capped scores"), ("gemma3", "windows of 16, own rotary")):
+    for arch, what in (("gemma2", "windows of 16, capped scores"), ("gemma3", "windows of 16, own rotary"),
+                       ("smollm3", "a layer without rotary"), ("granite", "scaled residuals and logits")):
         model_dir = build_model(os.path.join(work, f"tiny-{arch}"), arch, seed=0)
         expected = hf_greedy(model_dir, device, PARITY_PROMPTS, new_tokens)
         try:
@@ -546,7 +549,7 @@ def main() -> None:
                 ("attention", lambda: attention_bandwidth(report, device, copy_bw, args.smoke)),
                 ("parity", lambda: parity(report, device, work, args.smoke)),
                 ("lora", lambda: lora_parity(report, device, work, args.smoke)),
-                ("gemma", lambda: gemma_parity(report, device, work, args.smoke)),
+                ("kin", lambda: kin_parity(report, device, work, args.smoke)),
                 ("decode", lambda: throughput(report, device, work, copy_bw, args.smoke,
                                               started + args.limit - DECODE_RESERVE))]
     for section, run in sections:

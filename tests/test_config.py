@@ -203,6 +203,42 @@ def test_gemmas_window_patterns_without_layer_types():
         sliding_windows({**cfg, "layer_types": ["full_attention"] * 2}, 0)
 
 
+def test_smollm3s_layers_without_rotary_and_granites_multipliers_as_transformers_reads_them():
+    """SmolLM3: no_rope_layers flags the layers that rotate, else every fourth does not (its
+    config's no_rope_layer_interval); with use_sliding_window and no layer_types, those are the
+    windowed ones. Granite: its four multipliers, 1 where unset; other architectures read none."""
+    from transformers import SmolLM3Config
+
+    from streamserve.models.registry import build_model
+
+    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,
+           "vocab_size": 100}
+    smol = {**cfg, "architectures": ["SmolLM3ForCausalLM"]}
+    with torch.device("meta"):
+        arch = build_model(smol).arch
+        assert arch.rotary_layers == (True, True, True, False) * 2 and not arch.rotates(3) and arch.rotates(4)
+        assert arch.rotary_layers == tuple(map(bool, SmolLM3Config(**cfg).no_rope_layers))
+        assert build_model({**smol, "no_rope_layers": [1] * 8}).arch.rotary_layers == ()
+        assert build_model({**smol, "no_rope_layer_interval": 2}).arch.rotary_layers == (True, False) * 4
+        windowed = {**smol, "use_sliding_window": True, "sliding_window": 32}
+        expected = SmolLM3Config(**{k: v for k, v in windowed.items() if k != "architectures"})
+        assert build_model(windowed).arch.layer_windows == tuple(
+            32 if t == "sliding_attention" else 0 for t in expected.layer_types) == (0, 0, 0, 32) * 2
+        with pytest.raises(ValueError, match="no_rope_layers names 2 layers, the model has 8"):
+            build_model({**smol, "no_rope_layers": [1, 0]})
+        assert build_model({**cfg, "architectures": ["LlamaForCausalLM"], "no_rope_layers": [0] * 8}
+                           ).arch.rotary_layers == ()
+
+        granite = {**cfg, "architectures": ["GraniteForCausalLM"], "embedding_multiplier": 12.0,
+                   "attention_multiplier": 0.015625, "residual_multiplier": 0.22, "logits_scaling": 8.0}
+        arch = build_model(granite).arch
+        assert (arch.embed_scale, arch.scale, arch.residual_scale, arch.logits_scaling) == (12.0, 0.015625, 0.22, 8.0)
+        arch = build_model({**cfg, "architectures": ["GraniteForCausalLM"]}).arch
+        assert (arch.embed_scale, arch.scale, arch.residual_scale, arch.logits_scaling) == (1.0, 1.0, 1.0, 1.0)
+        arch = build_model({**granite, "architectures": ["LlamaForCausalLM"]}).arch
+        assert (arch.embed_scale, arch.scale, arch.residual_scale, arch.logits_scaling) == (1.0, 0.25, 1.0, 1.0)
+
+
 # -- cache settings ------------------------------------------------------------------------------
 
 

@@ -51,8 +51,8 @@ def build_tokenizer(path: str) -> None:
 
 
 def _config(arch: str, **overrides):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig,
+                              Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config)
 
     kwargs = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -82,15 +82,22 @@ def _config(arch: str, **overrides):
                                                              "sliding_attention"],
                       rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                        "full_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    elif arch == "smollm3":  # the middle layer rotates nothing
+        kwargs.update(tie_word_embeddings=True, num_hidden_layers=3, no_rope_layers=[1, 0, 1],
+                      rope_theta=2000000.0, use_sliding_window=False)
+    elif arch == "granite":  # its multipliers, as Granite 3's are
+        kwargs.update(tie_word_embeddings=True, embedding_multiplier=12.0, attention_multiplier=0.0625,
+                      residual_multiplier=0.22, logits_scaling=8.0)
     else:
         raise ValueError(arch)
     kwargs.update(overrides)
     kind = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-            "phi3": Phi3Config, "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig}
+            "phi3": Phi3Config, "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig,
+            "smollm3": SmolLM3Config, "granite": GraniteConfig}
     return kind[arch](**kwargs)
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "smollm3", "granite")
 
 
 def build_model(path: str, arch: str, seed: int = 0, max_shard_size: Optional[str] = None,

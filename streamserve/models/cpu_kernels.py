@@ -521,7 +521,8 @@ class _StepLayer(ctypes.Structure):
                 + [(name, _Weight * 2) for name in _LINEARS]
                 + [(name, ctypes.c_void_p) for name in ("qkv_bias", "q_norm", "k_norm", "k_cache", "v_cache")]
                 + [("window", ctypes.c_long)]
-                + [(name, ctypes.c_void_p) for name in ("pre_ff_norm", "post_ff_norm", "cos_sin")])
+                + [(name, ctypes.c_void_p) for name in ("pre_ff_norm", "post_ff_norm", "cos_sin")]
+                + [("no_rope", ctypes.c_long)])
 
 
 class _StepModel(ctypes.Structure):
@@ -529,6 +530,7 @@ class _StepModel(ctypes.Structure):
         "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
         "max_position", "num_slots", "quant_max_tokens", "kv_half", "bf16_dot", "gelu")]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
+           ("residual_scale", ctypes.c_float),
            ("final_norm", ctypes.c_void_p),
            ("cos_sin", ctypes.c_void_p), ("layers", ctypes.POINTER(_StepLayer))])
 
@@ -591,6 +593,7 @@ class StepForward:
             entry.pre_ff_norm = ptr(getattr(layer.pre_feedforward_layernorm, "weight", None))
             entry.post_ff_norm = ptr(getattr(layer.post_feedforward_layernorm, "weight", None))
             entry.cos_sin = ptr(model.rotary_local.cos_sin_cache if attn.local_rope else None)
+            entry.no_rope = not attn.rotates
             entry.input_norm, entry.post_norm = ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight)
             entry.qkv, entry.o = weights(attn.qkv_proj), weights(attn.o_proj)
             entry.gate_up, entry.down = weights(layer.mlp.gate_up_proj), weights(layer.mlp.down_proj)
@@ -606,7 +609,8 @@ class StepForward:
             num_slots=kv_caches[0].shape[1] * kv_caches[0].shape[2],
             quant_max_tokens=quant_max_tokens, kv_half=kv_caches[0].dtype == torch.float16, bf16_dot=bf16_dot,
             gelu=arch.hidden_act == "gelu_tanh",
-            eps=arch.rms_norm_eps, scale=arch.scale, softcap=arch.attn_softcap or 0.0, final_norm=ptr(model.norm.weight),
+            eps=arch.rms_norm_eps, scale=arch.scale, softcap=arch.attn_softcap or 0.0,
+            residual_scale=arch.residual_scale, final_norm=ptr(model.norm.weight),
             cos_sin=ptr(model.rotary.cos_sin_cache), layers=layers)
         self._model_ref = ctypes.byref(self._model)
         per_token = kernels.lib.step_scratch_floats

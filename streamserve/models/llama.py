@@ -1,4 +1,4 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1-3) as one module, for a flat token batch.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1-3, SmolLM3, Granite) as one module, for a flat token batch.
 
 Inputs are one flat batch of tokens from many requests (no padding between
 them). Attention is whatever callable the runner passes in for the step: it
@@ -13,7 +13,9 @@ Gemma differs in small ways, each a field of LlamaArch: its norms scale by (1 + 
 into the weights as they load), its embedding is scaled by sqrt(hidden), its MLP is GELU-gated;
 Gemma 2 and 3 add a norm after attention and around the MLP (`sandwich_norms`), their own
 attention scale, sliding-window layers (`layer_windows`, Gemma 3's with their own rotary base),
-and Gemma 2 tanh soft-caps its attention scores and final logits.
+and Gemma 2 tanh soft-caps its attention scores and final logits. SmolLM3 leaves every fourth
+layer's q and k unrotated (`rotary_layers`); Granite multiplies its embedding, its attention
+scores and its residual branches by constants, and divides its logits by one.
 """
 
 from __future__ import annotations
@@ -64,13 +66,18 @@ class LlamaArch:
     local_rope_theta: Optional[float] = None  # the rotary base of the windowed layers, if their own (Gemma 3)
     attn_softcap: Optional[float] = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_softcap: Optional[float] = None  # the same for the logits
+    rotary_layers: tuple[bool, ...] = ()  # per layer: whether it rotates q and k, or () for all (SmolLM3's)
+    residual_scale: float = 1.0  # attention's and the MLP's outputs times this as they join the residual (Granite)
+    logits_scaling: float = 1.0  # the logits divided by this (Granite)
 
     @classmethod
-    def from_hf_config(cls, cfg: dict, qkv_bias: bool, qk_norm: bool, gemma: int = 0,
-                       windowed: Union[bool, str] = True) -> "LlamaArch":
+    def from_hf_config(cls, cfg: dict, qkv_bias: bool = False, qk_norm: bool = False, gemma: int = 0,
+                       windowed: Union[bool, str] = True, nope: bool = False, granite: bool = False) -> "LlamaArch":
         """`gemma`: the Gemma generation (1-3) the checkpoint is, else 0; `windowed`: whether the
         architecture reads config.json's sliding_window (False: ignores it; "opt_in": only with
-        use_sliding_window, as Qwen's)."""
+        use_sliding_window, as Qwen's); `nope`: some layers rotate nothing (SmolLM3's
+        no_rope_layers); `granite`: Granite's multipliers of the embedding, the attention scores
+        and the residual branches, and its logits' divisor."""
         heads = cfg["num_attention_heads"]
         rope_params = cfg.get("rope_parameters") or {}
         local_theta = None
@@ -92,9 +99,13 @@ class LlamaArch:
         scalar = cfg.get("query_pre_attn_scalar") if gemma >= 2 else None
         if gemma >= 2:
             cfg = {"sliding_window": 4096, **cfg}  # (Gemma2Config's and Gemma3TextConfig's default)
+        if nope and cfg.get("use_sliding_window") and not cfg.get("layer_types"):
+            # (SmolLM3Config's: the layers without rotary are the windowed ones)
+            cfg = {**cfg, "layer_types": ["full_attention" if r else "sliding_attention"
+                                          for r in (rotary_layers(cfg) or [True] * cfg["num_hidden_layers"])]}
         windows = sliding_windows(cfg, 2 if gemma == 2 else 6 if gemma == 3 else 0, windowed == "opt_in") \
             if windowed else ()
-        return cls(
+        fields = dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -120,7 +131,19 @@ class LlamaArch:
             local_rope_theta=float(local_theta) if local_theta and any(windows) else None,
             attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
             final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
+            rotary_layers=rotary_layers(cfg) if nope else (),
         )
+        if granite:
+            fields.update(cls._granite(cfg))
+        return cls(**fields)
+
+    @staticmethod
+    def _granite(cfg: dict) -> dict:
+        """Granite's multipliers (GraniteConfig's defaults: 1)."""
+        return dict(embed_scale=float(cfg.get("embedding_multiplier", 1.0)),
+                    attn_scale=float(cfg.get("attention_multiplier", 1.0)),
+                    residual_scale=float(cfg.get("residual_multiplier", 1.0)),
+                    logits_scaling=float(cfg.get("logits_scaling", 1.0)))
 
     @property
     def scale(self) -> float:
@@ -130,6 +153,10 @@ class LlamaArch:
     def window(self, layer_idx: int) -> int:
         """The keys layer `layer_idx` attends to before each query's own position and it (0: all)."""
         return self.layer_windows[layer_idx] if self.layer_windows else 0
+
+    def rotates(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` rotates its queries and keys (SmolLM3's every fourth does not)."""
+        return self.rotary_layers[layer_idx] if self.rotary_layers else True
 
 
 # config.json's activation names the gates compute -> the gate (layers.GATES; GELU's tanh form
@@ -165,6 +192,20 @@ def sliding_windows(cfg: dict, every: int, opt_in: bool = False) -> tuple[int, .
     return tuple(windows) if any(windows) else ()
 
 
+def rotary_layers(cfg: dict) -> tuple[bool, ...]:
+    """SmolLM3's layers that rotate q and k: as config.json's no_rope_layers flags them (1:
+    rotates), else all but every no_rope_layer_interval-th (4); () when all do."""
+    n = cfg["num_hidden_layers"]
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = cfg.get("no_rope_layer_interval") or 4
+        flags = [(i + 1) % every != 0 for i in range(n)]
+    if len(flags) != n:
+        raise ValueError(f"no_rope_layers names {len(flags)} layers, the model has {n}")
+    flags = tuple(bool(f) for f in flags)
+    return () if all(flags) else flags
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, arch: LlamaArch, layer_idx: int) -> None:
         super().__init__()
@@ -178,6 +219,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         # a windowed layer of Gemma 3 rotates by its own base (ForwardContext.rotate_local)
         self.local_rope = arch.local_rope_theta is not None and arch.window(layer_idx) > 0
+        self.rotates = arch.rotates(layer_idx)  # (SmolLM3's every fourth layer does not)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = ctx.linear(self.qkv_proj, x)
@@ -187,7 +229,8 @@ class LlamaAttention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), 1)
-        qk = (ctx.rotate_local if self.local_rope else ctx.rotate)(qk, self.num_heads)
+        if self.rotates:
+            qk = (ctx.rotate_local if self.local_rope else ctx.rotate)(qk, self.num_heads)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = ctx.attention(self.layer_idx, q, k, v)
         return ctx.linear(self.o_proj, out)
@@ -218,6 +261,7 @@ class LlamaDecoderLayer(nn.Module):
         if arch.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
             self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.residual_scale = arch.residual_scale  # (Granite's residual_multiplier)
 
     def norms(self) -> list[RMSNorm]:
         return [n for n in (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
@@ -232,8 +276,11 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(hidden, ctx)
         if self.pre_feedforward_layernorm is None:
+            if self.residual_scale != 1.0:
+                hidden = hidden * self.residual_scale
             hidden, residual = self.post_attention_layernorm(hidden, residual)
-            return self.mlp(hidden, ctx), residual
+            hidden = self.mlp(hidden, ctx)
+            return (hidden * self.residual_scale if self.residual_scale != 1.0 else hidden), residual
         hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
         return self.post_feedforward_layernorm(self.mlp(hidden, ctx)), residual
 
@@ -282,14 +329,17 @@ class LlamaForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The tokens' embeddings, a fresh tensor; Gemma's scaled by sqrt(hidden) (the scale in the
-        model's dtype, as transformers takes it)."""
+        model's dtype, as transformers takes it), Granite's by its embedding_multiplier (a float)."""
         hidden = self.embed_tokens(input_ids)
-        if self.arch.embed_scale != 1.0:
-            hidden.mul_(torch.tensor(self.arch.embed_scale, dtype=hidden.dtype))
+        scale = self.arch.embed_scale
+        if scale != 1.0:
+            hidden.mul_(torch.tensor(scale, dtype=hidden.dtype) if self.arch.norm_offset else scale)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor, low_precision: bool = False) -> torch.Tensor:
         logits = self.lm_head(hidden, low_precision)
+        if self.arch.logits_scaling != 1.0:
+            logits = logits / self.arch.logits_scaling
         cap = self.arch.final_softcap
         return logits if not cap else torch.tanh(logits / cap).mul_(cap)
 

@@ -5,18 +5,21 @@ from __future__ import annotations
 from streamserve.models.layers import GATES
 from streamserve.models.llama import ACTIVATIONS, LlamaArch, LlamaForCausalLM
 
-# architecture name in config.json -> (q/k/v projections carry a bias, per-head q/k RMSNorm,
-# Gemma's generation or 0, whether config.json's sliding_window is read: transformers' Llama
-# ignores it, Qwen's read it only with use_sliding_window)
+# architecture name in config.json -> how it differs from Llama (LlamaArch.from_hf_config's
+# keywords): q/k/v projections with a bias, per-head q/k RMSNorm, Gemma's generation, whether
+# config.json's sliding_window is read (transformers' Llama ignores it, Qwen's and SmolLM3's read
+# it only with use_sliding_window), SmolLM3's layers without rotary, Granite's multipliers
 _ARCHITECTURES = {
-    "LlamaForCausalLM": (False, False, 0, False),
-    "MistralForCausalLM": (False, False, 0, True),
-    "Qwen2ForCausalLM": (True, False, 0, "opt_in"),
-    "Qwen3ForCausalLM": (False, True, 0, "opt_in"),
-    "Phi3ForCausalLM": (False, False, 0, True),  # Llama's layers, its q/k/v and gate/up stored fused
-    "GemmaForCausalLM": (False, False, 1, False),
-    "Gemma2ForCausalLM": (False, False, 2, True),
-    "Gemma3ForCausalLM": (False, True, 3, True),  # the text-only checkpoints (270M, 1B)
+    "LlamaForCausalLM": dict(windowed=False),
+    "MistralForCausalLM": dict(),
+    "Qwen2ForCausalLM": dict(qkv_bias=True, windowed="opt_in"),
+    "Qwen3ForCausalLM": dict(qk_norm=True, windowed="opt_in"),
+    "Phi3ForCausalLM": dict(),  # Llama's layers, its q/k/v and gate/up stored fused
+    "GemmaForCausalLM": dict(gemma=1, windowed=False),
+    "Gemma2ForCausalLM": dict(gemma=2),
+    "Gemma3ForCausalLM": dict(qk_norm=True, gemma=3),  # the text-only checkpoints (270M, 1B)
+    "SmolLM3ForCausalLM": dict(windowed="opt_in", nope=True),
+    "GraniteForCausalLM": dict(windowed=False, granite=True),  # Granite 3's dense models
 }
 
 
@@ -33,10 +36,10 @@ def build_model(hf_config: dict) -> LlamaForCausalLM:
     archs = hf_config.get("architectures") or []
     for name in archs:
         if name in _ARCHITECTURES:
-            qkv_bias, qk_norm, gemma, windowed = _ARCHITECTURES[name]
-            arch = LlamaArch.from_hf_config(hf_config, qkv_bias, qk_norm, gemma, windowed)
+            kind = _ARCHITECTURES[name]
+            arch = LlamaArch.from_hf_config(hf_config, **kind)
             if arch.hidden_act not in GATES:
-                key = "hidden_activation" if gemma >= 2 else "hidden_act"
+                key = "hidden_activation" if kind.get("gemma", 0) >= 2 else "hidden_act"
                 raise ValueError(f"{key} {arch.hidden_act!r} is not supported: streamserve runs MLPs gated by "
                                  + ", ".join(sorted(ACTIVATIONS)))
             return LlamaForCausalLM(arch)

@@ -194,11 +194,12 @@ def test_gemmas_norms_stay_float32_in_a_bfloat16_model(model_dirs):
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
-def test_gemma_steps_run_in_one_c_call(model_dirs, arch):
-    """Where the C kernels load, Gemma's, Gemma 2's and Gemma 3's steps take the one-call C step
-    (its GELU gate, sandwich norms, scaled embedding, Gemma 2's soft-capped scores, Gemma 3's
-    windowed layers' own rotary table), and match transformers as the op-by-op path does."""
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "smollm3", "granite"])
+def test_steps_of_llamas_kin_run_in_one_c_call(model_dirs, arch):
+    """Where the C kernels load, Gemma's, Gemma 2's, Gemma 3's, SmolLM3's and Granite's steps take
+    the one-call C step (Gemma's GELU gate, sandwich norms, scaled embedding, Gemma 2's
+    soft-capped scores, Gemma 3's windowed layers' own rotary table; SmolLM3's layers without
+    rotary; Granite's scaled residual branches), and match transformers as the op-by-op path does."""
     llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=24)
     runner = llm.engine_core.model_runner
     if runner.c_kernels is None:
@@ -211,14 +212,16 @@ def test_gemma_steps_run_in_one_c_call(model_dirs, arch):
     assert calls
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_windows_and_caps_on_the_torch_path_without_the_c_kernels(model_dirs, monkeypatch, arch):
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "smollm3", "granite"])
+def test_llamas_kin_on_the_torch_path_without_the_c_kernels(model_dirs, monkeypatch, arch):
     """Where the C kernels do not load, the decodes' window masks (the runner's, one per window
-    of the model's) and the plain product of Gemma 2's capped scores match transformers too."""
+    of the model's), the plain product of Gemma 2's capped scores, SmolLM3's unrotated layers and
+    Granite's multipliers match transformers too."""
     from streamserve.worker import model_runner
 
     monkeypatch.setattr(model_runner.cpu_kernels, "load", lambda: None)
     llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=24)
     runner = llm.engine_core.model_runner
-    assert runner.c_kernels is None and not runner.cpu_attention and runner.windows == [16]
+    assert runner.c_kernels is None and not runner.cpu_attention
+    assert runner.windows == ([16] if arch.startswith("gemma") else [])
     check_parity(llm, model_dirs[arch], num_prompts=5, new_tokens=12)

@@ -139,13 +139,14 @@ def test_the_gpu_checks_parity_rows_on_the_cpu(tmp_path, monkeypatch):
     assert "guesses kept" in report.rows[2]["item"]
 
 
-def test_the_gpu_checks_gemma_rows_on_the_cpu(tmp_path, monkeypatch):
-    """scripts/gpu_check.py's Gemma 2 and Gemma 3 parity rows (windows, capped scores, their own
-    rotary) through Triton's interpreter at tiny sizes: each matches transformers."""
+def test_the_gpu_checks_kin_rows_on_the_cpu(tmp_path, monkeypatch):
+    """scripts/gpu_check.py's parity rows of Gemma 2 and Gemma 3 (windows, capped scores, their
+    own rotary), SmolLM3 (a layer without rotary) and Granite (its multipliers) through Triton's
+    interpreter at tiny sizes: each matches transformers."""
     gpu_check = import_gpu_check(monkeypatch)
     report = gpu_check.Report()
-    gpu_check.gemma_parity(report, torch.device("cpu"), str(tmp_path), smoke=True)
-    assert [(r["value"], r["ok"]) for r in report.rows] == [("4/4 prompts identical", True)] * 2
+    gpu_check.kin_parity(report, torch.device("cpu"), str(tmp_path), smoke=True)
+    assert [(r["value"], r["ok"]) for r in report.rows] == [("4/4 prompts identical", True)] * 4
 
 
 def test_gemma3s_windows_in_mixed_and_graph_buffer_steps_on_the_triton_path(model_dirs):

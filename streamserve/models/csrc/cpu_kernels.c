@@ -1911,6 +1911,7 @@ typedef struct {
      * before the residual add), and a windowed layer's own rotary table; NULL for Llama's */
     const float *pre_ff_norm, *post_ff_norm; /* [H] */
     const float *cos_sin;                   /* [max_position, 2, D], in place of the model's */
+    long no_rope;                           /* q and k go unrotated (SmolLM3's every fourth layer) */
 } StepLayer;
 
 typedef struct {
@@ -1922,6 +1923,7 @@ typedef struct {
     long gelu;                              /* the MLP's gate: SiLU (0) or GELU's tanh form (1, Gemma's) */
     float eps, scale;
     float softcap;                          /* the attention scores' soft cap, or 0 (Gemma 2's) */
+    float residual_scale;                   /* attention's and the MLP's outputs times this (Granite's; else 1) */
     const float *final_norm;                /* [H] */
     const float *cos_sin;                   /* [max_position, 2, D]: cos, then sin with its first half negated */
     const StepLayer *layers;
@@ -2041,6 +2043,12 @@ static void store_kv(void *cache, long i, const float *x, long n, long half) {
     for (; e < n; e++) c[e] = _cvtss_sh(x[e] > 65504.0f ? 65504.0f : x[e] < -65504.0f ? -65504.0f : x[e], 0);
 }
 
+/* x[0 .. n - 1] *= scale, unless scale is 1. */
+static void scale_rows(float *x, long n, float scale) {
+    if (scale != 1.0f)
+        for (long i = 0; i < n; i++) x[i] *= scale;
+}
+
 /* The floats of scratch step_forward_f32 takes per token. */
 long step_scratch_floats(const StepModel *m) {
     const long D = m->head_dim;
@@ -2092,7 +2100,8 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
                     rms_norm_f32(row, 0, L->q_norm, row, Hq, D, m->eps);
                     rms_norm_f32(row + Hq * D, 0, L->k_norm, row + Hq * D, Hkv, D, m->eps);
                 }
-                rotate_heads(row, Hq + Hkv, D, (L->cos_sin ? L->cos_sin : m->cos_sin) + position * 2 * D);
+                if (!L->no_rope)
+                    rotate_heads(row, Hq + Hkv, D, (L->cos_sin ? L->cos_sin : m->cos_sin) + position * 2 * D);
                 if (slots[t] >= 0) {
                     store_kv(L->k_cache, slots[t] * kv_row, row + Hq * D, kv_row, m->kv_half);
                     store_kv(L->v_cache, slots[t] * kv_row, row + Hq * D + kv_row, kv_row, m->kv_half);
@@ -2107,6 +2116,7 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
             return -5;
         if (step_gemv(m, L->o, attn, hidden, B, H, Hq * D) || (lora && lora_add(lora, l, 1, attn, hidden, H, Hq * D)))
             return -5;
+        scale_rows(hidden, B * H, m->residual_scale);
         if (L->pre_ff_norm) {  /* Gemma's: attention's output normed, added, normed again */
             rms_norm_f32(hidden, 0, L->post_norm, hidden, B, H, m->eps);
             rms_norm_f32(hidden, residual, L->pre_ff_norm, x, B, H, m->eps);
@@ -2117,6 +2127,7 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
             return -5;
         act_and_mul_f32(gate_up, act, B, I, m->gelu);
         if (step_gemv(m, L->down, act, hidden, B, H, I) || (lora && lora_add(lora, l, 3, act, hidden, H, I))) return -5;
+        scale_rows(hidden, B * H, m->residual_scale);
         if (L->post_ff_norm) rms_norm_f32(hidden, 0, L->post_ff_norm, hidden, B, H, m->eps);
     }
     rms_norm_f32(hidden, residual, m->final_norm, hidden, B, H, m->eps);
