@@ -417,7 +417,8 @@ class ServerConfig:
                 "(a reply of {\"name\": ..., \"parameters\": ...} objects, as Llama 3.1-3.3 write them) or "
                 "'pythonic' (a reply that is a Python list of calls, [f(a=1), g()], as Llama 3.2 and 4 write them) "
                 "or 'mistral' (a JSON array of {\"name\": ..., \"arguments\": ...} objects, as Mistral's models "
-                "write them, or the newer models' [TOOL_CALLS]name[ARGS]{...})"})
+                "write them, or the newer models' [TOOL_CALLS]name[ARGS]{...}) or 'granite' (<|tool_call|> and a "
+                "JSON array of {\"name\": ..., \"arguments\": ...} objects, as Granite 3's models write them)"})
     reasoning_parser: Optional[str] = field(default=None, metadata={
         "help": "give a chat reply's <think> block apart from its content, as the message's "
                 "'reasoning' (and 'reasoning_content'): 'deepseek_r1' or 'qwen3' (DeepSeek-R1 and its "
@@ -427,9 +428,9 @@ class ServerConfig:
                 "every STREAMSERVE_LOG_STATS_INTERVAL seconds (10) while requests run"})
 
     def __post_init__(self) -> None:
-        if self.tool_call_parser not in (None, "hermes", "llama3_json", "pythonic", "mistral"):
+        if self.tool_call_parser not in (None, "hermes", "llama3_json", "pythonic", "mistral", "granite"):
             raise ValueError(f"tool_call_parser ({self.tool_call_parser!r}) must be 'hermes', 'llama3_json', "
-                             "'pythonic', 'mistral' or left out")
+                             "'pythonic', 'mistral', 'granite' or left out")
         if self.reasoning_parser not in (None, "deepseek_r1", "qwen3"):
             raise ValueError(f"reasoning_parser ({self.reasoning_parser!r}) must be 'deepseek_r1', 'qwen3' "
                              "or left out")

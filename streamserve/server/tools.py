@@ -19,7 +19,9 @@ reply content, with --tool-call-parser pythonic a reply that is a Python list of
 objects (after [TOOL_CALLS], where special tokens are kept), as Mistral's models write them, or
 in the newer models' form [TOOL_CALLS]name[ARGS]{...} (one per call; its special tokens kept, as
 vLLM keeps them for this parser, unless the request sets skip_special_tokens; text before
-the first [TOOL_CALLS] is content), is those calls;
+the first [TOOL_CALLS] is content), is those calls, and with --tool-call-parser granite a reply
+that is a JSON array of {"name": ..., "arguments": ...} objects (after <|tool_call|>, where
+special tokens are kept, or <tool_call>), as Granite 3's models write them, is those calls;
 without one it is refused, as vLLM refuses it without --enable-auto-tool-choice.
 
 Streamed, a named call's arguments go out as the text comes, the call's id, type and name on
@@ -27,7 +29,7 @@ its first delta; with "required" each call goes out whole as soon as its object 
 "auto" as soon as its block closes (the text around it as content; whitespace between calls,
 and what could begin a tag, held back until it is plain which it is); pythonic's reply, where
 it begins with "[", is held back whole until it ends (only then is it plain whether it is a
-list of calls), and streams as content from its first character otherwise; so is mistral's,
+list of calls), and streams as content from its first character otherwise; so is granite's and mistral's,
 whose reply may also be content up to a [TOOL_CALLS] (streamed as it comes) and calls from there
 (read at the end).
 """
@@ -93,7 +95,7 @@ def tool_calling(body: dict[str, Any], tools: Optional[list[dict[str, Any]]],
                  parser: Optional[str] = None) -> Optional[ToolCalling]:
     """What tool_choice asks of the reply (None: text). `tools`: the body's, as tools_for_template
     checked them; `parser`: the server's tool-call format ("hermes", "llama3_json", "pythonic",
-    "mistral"), without which "auto" cannot be."""
+    "mistral", "granite"), without which "auto" cannot be."""
     if body.get("functions") or body.get("function_call") not in (None, "none"):
         raise bad_request("the deprecated 'functions' and 'function_call' are not supported: give 'tools' and "
                           "'tool_choice'", "functions")
@@ -298,14 +300,17 @@ class ToolCallReader:
         return self._delta(content, calls)
 
     def _whole_reply(self) -> dict[str, Any]:
-        """pythonic and mistral: a reply that begins with "[" (after whitespace, or Llama 4's
-        <|python_start|>) may be a list of calls: held back, to be read whole at the close. Any
-        other is content."""
+        """pythonic and granite: a reply that begins with "[" (after whitespace, or its opener:
+        Llama 4's <|python_start|>, Granite's <|tool_call|> or <tool_call>) may be a list of calls:
+        held back, to be read whole at the close. Any other is content."""
         if not self._plain:
             begun = self.text.lstrip()
-            if not begun or len(begun) < len(_PYTHON_START) and _PYTHON_START.startswith(begun):
+            openers = _OPENERS[self.calling.parser]
+            if not begun or any(len(begun) < len(tag) and tag.startswith(begun) for tag in openers):
                 return {}
-            if begun.removeprefix(_PYTHON_START).lstrip()[:1] in ("[", ""):
+            for tag in openers:
+                begun = begun.removeprefix(tag)
+            if begun.lstrip()[:1] in ("[", ""):
                 return {}
             self._plain = True
         content = self._text(self.text[self._read:])
@@ -392,6 +397,23 @@ def _mistral_calls(text: str) -> Optional[list[tuple[str, str]]]:
         body = body[len(_TOOL_CALLS):].lstrip()
         if not body.startswith("["):
             return _mistral_args_calls(text.strip())
+    return _json_array_calls(body)
+
+
+def _granite_calls(text: str) -> Optional[list[tuple[str, str]]]:
+    """(name, arguments) of each call of a reply that is one JSON array of {"name": ...,
+    "arguments": {...}} objects after <|tool_call|> (where special tokens are kept) or
+    <tool_call>, or none, as Granite 3's models write them; None for any other reply."""
+    body = text.strip()
+    for tag in _OPENERS["granite"]:
+        body = body.removeprefix(tag)
+    return _json_array_calls(body.lstrip())
+
+
+def _json_array_calls(body: str) -> Optional[list[tuple[str, str]]]:
+    """(name, arguments) of each object of `body`, one JSON array of {"name": ..., "arguments":
+    {...}} objects, each read as hermes reads its block's (arguments as written, or a JSON
+    string's value), and only an object taken as arguments; None for anything else."""
     if not body.startswith("["):
         return None
     calls, at = [], _BLANK.match(body, 1).end()
@@ -454,7 +476,10 @@ def _partial_suffix(text: str, start: int, tag: str) -> int:
 _TOOL_CALLS, _ARGS, _CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's, where special tokens are kept
 _MISTRAL_NAME = re.compile(r"[ \t\n\r]*([A-Za-z0-9_-]{1,64})[ \t\n\r]*")
 # the parsers that read a reply whole, at its end: text -> its calls, or None where it is content
-_WHOLE_REPLY = {"pythonic": _pythonic_calls, "mistral": _mistral_calls}
+_WHOLE_REPLY = {"pythonic": _pythonic_calls, "mistral": _mistral_calls, "granite": _granite_calls}
+# what may come before the list of calls of a reply read whole (each text's own, as the model
+# writes it where special tokens are kept)
+_OPENERS = {"pythonic": (_PYTHON_START,), "granite": ("<|tool_call|>", "<tool_call>")}
 
 
 def _hermes_call(block: str) -> Optional[tuple[str, str]]:

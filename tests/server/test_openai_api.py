@@ -874,6 +874,34 @@ def test_the_mistral_parser_reads_a_json_array_of_calls_whole_and_in_pieces(text
     _check_parser("mistral", text, content, calls)
 
 
+GRANITE = [  # (text, content, calls as (name, arguments))
+    ('<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}]', None,
+     [("get_weather", '{"city": "Rome", "days": 2}')]),
+    (' <tool_call>[{"name": "a", "arguments": {"q": "]["}}, {"name": "b", "arguments": "{\\"x\\": 1}"}]\n', None,
+     [("a", '{"q": "]["}'), ("b", '{"x": 1}')]),
+    ('[{"name": "a", "arguments": {}}]', None, [("a", "{}")]),  # the special token skipped
+    ("The weather is fine.", "The weather is fine.", []),
+    ("[1] is a reference.", "[1] is a reference.", []),
+    ('<|tool_call|>[{"name": "a"}]', '<|tool_call|>[{"name": "a"}]', []),
+    ('<|tool_call|>{"name": "a", "arguments": {}}', '<|tool_call|>{"name": "a", "arguments": {}}', []),
+    ('<|tool_call|>[{"name": "a", "arguments": {}}] and more', '<|tool_call|>[{"name": "a", "arguments": {}}] and more',
+     []),
+    ('<|tool_call|>[{"name": "a", "arguments": {', '<|tool_call|>[{"name": "a", "arguments": {', []),
+    ("<|tool_", "<|tool_", []),
+    ("<tool", "<tool", []),
+    ("<tool_call> is a tag", "<tool_call> is a tag", []),
+    ("  ", "  ", []),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", GRANITE)
+def test_the_granite_parser_reads_a_json_array_of_calls_whole_and_in_pieces(text, content, calls):
+    """--tool-call-parser granite: a reply that is one JSON array of {"name", "arguments"}
+    objects (after <|tool_call|> or <tool_call>, or none) is those calls; any other reply is
+    content. Fed in pieces, the deltas add up to the same."""
+    _check_parser("granite", text, content, calls)
+
+
 def _check_parser(parser: str, text: str, content, calls) -> None:
     import random
 
@@ -931,12 +959,14 @@ def test_tool_choice_auto_with_the_hermes_parser(model_dirs):
     ("pythonic", '[get_weather(city="Rome", days=2), get_time()]'),
     ("mistral", '[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}, {"name": "get_time", "arguments": {}}]'),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 2}[TOOL_CALLS]get_time[ARGS]{}'),
+    ("granite", '<tool_call>[{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}, '
+                '{"name": "get_time", "arguments": {}}]'),
 ])
-def test_tool_choice_auto_with_the_llama3_json_pythonic_and_mistral_parsers(model_dirs, parser, calls):
+def test_tool_choice_auto_with_the_llama3_json_pythonic_mistral_and_granite_parsers(model_dirs, parser, calls):
     """--tool-call-parser llama3_json (two JSON calls apart by ";"), pythonic (a Python list of
-    two calls) and mistral (a JSON array of two, or the newer [TOOL_CALLS]name[ARGS]{...}): the
-    reply is two calls, streamed the same (pythonic's and mistral's in the last chunk, read whole
-    at the end); a reply of text is content. mistral keeps the special tokens in the text (the
+    two calls), mistral (a JSON array of two, or the newer [TOOL_CALLS]name[ARGS]{...}) and granite
+    (a JSON array after <tool_call>): the reply is two calls, streamed the same (pythonic's,
+    mistral's and granite's in the last chunk, read whole at the end); a reply of text is content. mistral keeps the special tokens in the text (the
     newer form is told by them) unless the request says otherwise. (The model is held to each
     reply by a choice.)"""
     from live_server import serve_in_thread
