@@ -34,7 +34,12 @@ ARCHS = {
     "phi3": ("Phi3ForCausalLM", "phi3", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
+    "granite": ("GraniteForCausalLM", "granite", True),
+    "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),  # (every fourth layer unrotated: both assume it)
 }
+# Granite's multipliers, as llama.cpp's converter names them -> config.json's
+_GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                   "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
 _GEMMA = {"gemma2", "gemma3"}  # (transformers reads no Gemma 1 GGUF's tokenizer)
 # Gemma 2's and 3's norms around attention and the MLP: ffn_norm is the MLP's input norm there
 _SANDWICH_TENSORS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
@@ -109,6 +114,8 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype, vocab_size: 
     }
     if arch in _GEMMA:
         config.update(_gemma_config(arch, get, config))
+    if arch == "granite":
+        config.update({name: get(key) for key, name in _GRANITE_SCALES.items() if get(key) is not None})
     window = get("attention.sliding_window")
     if not window and arch == "phi3" and config["max_position_embeddings"] <= 4096:
         window = 2047  # the 4k models' own, in files written before llama.cpp stored it (Microsoft's)
@@ -272,10 +279,14 @@ def _write_generation_config(out_dir: str, config: dict[str, Any], meta: dict[st
 
 
 def _convert_tokenizer(gguf_path: str, out_dir: str, meta: dict[str, Any]):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(gguf_path)),
-                                        gguf_file=os.path.basename(gguf_path))
+    where = dict(pretrained_model_name_or_path=os.path.dirname(os.path.abspath(gguf_path)),
+                 gguf_file=os.path.basename(gguf_path))
+    try:
+        tok = AutoTokenizer.from_pretrained(**where)
+    except ValueError:  # an architecture whose config transformers cannot read from GGUF (granite,
+        tok = PreTrainedTokenizerFast.from_pretrained(**where)  # smollm3): the tokenizer alone
     template = meta.get("tokenizer.chat_template")
     if template:
         tok.chat_template = template

@@ -38,8 +38,9 @@ def every_matrix(qtype) -> dict:
 def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, arch: str = "llama",
                sliding_window: int = 0) -> None:
     """As llama.cpp's convert_hf_to_gguf.py writes `arch` ("llama", "qwen2": with its biases,
-    no q/k permutation and no vocab_size key; "phi3", its q/k/v and gate/up fused; or "gemma",
-    "gemma2", "gemma3": the norms stored as 1 + w, the head size and Gemma 2's caps written)."""
+    no q/k permutation and no vocab_size key; "phi3", its q/k/v and gate/up fused; "gemma",
+    "gemma2", "gemma3": the norms stored as 1 + w, the head size and Gemma 2's caps written;
+    "granite", Llama's with its four multipliers written; "smollm3", Llama's)."""
     from safetensors.numpy import load_file
     from transformers import AutoTokenizer
 
@@ -62,6 +63,11 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "granite":
+        writer.add_embedding_scale(cfg["embedding_multiplier"])
+        writer.add_residual_scale(cfg["residual_multiplier"])
+        writer.add_attention_scale(cfg["attention_multiplier"])
+        writer.add_logit_scale(cfg["logits_scaling"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     if arch == "llama":
         writer.add_vocab_size(cfg["vocab_size"])
@@ -90,9 +96,9 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
     for i in range(cfg["num_hidden_layers"]):
         for hf_piece, (cpp_piece, qtype) in types.items():
             w = tensors[f"model.layers.{i}.{hf_piece}.weight"].astype(np.float32)
-            if cpp_piece == "attn_q" and arch == "llama":
+            if cpp_piece == "attn_q" and arch in _PERMUTED:
                 w = permute(w, heads)
-            elif cpp_piece == "attn_k" and arch == "llama":
+            elif cpp_piece == "attn_k" and arch in _PERMUTED:
                 w = permute(w, kv_heads)
             elif "norm" in cpp_piece:
                 w = w + shift
@@ -103,6 +109,9 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+_PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's converter permutes these Q/K rows (its LlamaModel's)
 
 
 def quantize_q4_k(w: np.ndarray) -> np.ndarray:
@@ -409,6 +418,36 @@ def test_a_gemma_gguf_is_the_checkpoint_it_was_written_from(tmp_path, arch):
     assert converted["architectures"] == [{"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]]
     windows = llm.engine_core.model_runner.model.arch.layer_windows
     assert windows == {"gemma2": (16, 0, 16), "gemma3": (16,) * 5 + (0,)}[arch]
+    check_parity(llm, hf_dir, num_prompts=5, new_tokens=12)
+
+
+@pytest.mark.parametrize("arch", ["granite", "smollm3"])
+def test_granite_and_smollm3_ggufs_are_the_checkpoints_they_were_written_from(tmp_path, arch):
+    """llama.cpp's granite GGUF (its multipliers as embedding_scale, residual_scale,
+    attention.scale and logit_scale) and smollm3 GGUF (whose every fourth layer rotates nothing,
+    which llama.cpp assumes, the file saying nothing of it), read with their tokenizer though
+    transformers reads neither architecture's GGUF config: greedy tokens and logprobs as
+    transformers' on the Hugging Face checkpoint."""
+    from transformers import AutoTokenizer
+
+    from parity import check_parity
+    from tiny_models import build_model
+
+    overrides = {"granite": {}, "smollm3": {"num_hidden_layers": 4, "no_rope_layers": None}}
+    hf_dir = build_model(str(tmp_path / arch), arch, seed=3, **overrides[arch])
+    path = str(tmp_path / f"{arch}.gguf")
+    write_gguf(hf_dir, path, every_matrix(Q.F32), arch=arch)
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    converted = json.load(open(os.path.join(llm.config.model.model, "config.json")))
+    assert converted["architectures"] == [{"granite": "GraniteForCausalLM", "smollm3": "SmolLM3ForCausalLM"}[arch]]
+    model_arch = llm.engine_core.model_runner.model.arch
+    if arch == "granite":
+        assert (model_arch.embed_scale, model_arch.scale, model_arch.residual_scale, model_arch.logits_scaling) == \
+            pytest.approx((12.0, 0.0625, 0.22, 8.0))
+    else:
+        assert model_arch.rotary_layers == (True, True, True, False)
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer.encode("The quick brown fox") == AutoTokenizer.from_pretrained(hf_dir).encode("The quick brown fox")
     check_parity(llm, hf_dir, num_prompts=5, new_tokens=12)
 
 
