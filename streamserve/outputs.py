@@ -61,3 +61,19 @@ class EmbeddingRequestOutput:
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
     finished: bool = True
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """LLM.score's result for one pair (vLLM's name and fields): the pair's prompt token IDs
+    are its two texts', one after the other, as vLLM gives them for an embedding score."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

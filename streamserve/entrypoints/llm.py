@@ -24,7 +24,9 @@ from streamserve.frontend.beam_search import BeamSearch, BeamSearchOutput, BeamS
 from streamserve.heap import collector_paused
 from streamserve.lora.adapter import LoRAAdapter
 from streamserve.lora.request import LoRARequest
-from streamserve.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from streamserve.frontend.scoring import cosine_scores, score_pairs
+from streamserve.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
+                                 ScoringRequestOutput)
 from streamserve.sampling_params import EMBEDDING, SamplingParams
 
 
@@ -134,6 +136,26 @@ class LLM:
         params = dataclasses.replace(EMBEDDING, truncate_prompt_tokens=truncate_prompt_tokens)
         return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
                 for o in self.generate(prompts, params, use_tqdm, lora_request=lora_request)]
+
+    def score(self, data_1: Union[str, Sequence[str]], data_2: Union[str, Sequence[str]], use_tqdm: bool = True,
+              truncate_prompt_tokens: Optional[int] = None, lora_request: Optional[LoRARequest] = None
+              ) -> list[ScoringRequestOutput]:
+        """Each pair's score, the cosine similarity of its texts' embeddings (LLM.embed's), as
+        vLLM's LLM.score scores with an embedding model: the one data_1 text against each of
+        data_2, or the two lists pairwise (as long as each other). Each distinct text is
+        embedded once."""
+        texts_1, texts_2 = ([d] if isinstance(d, str) else list(d) for d in (data_1, data_2))
+        if not texts_1 or not texts_2 or not all(isinstance(t, str) and t for t in texts_1 + texts_2):
+            raise ValueError("LLM.score takes texts: a non-empty string or a list of them on each side")
+        pairs = score_pairs(len(texts_1), len(texts_2))
+        distinct = list(dict.fromkeys(texts_1 + texts_2))
+        at = {text: k for k, text in enumerate(distinct)}
+        embedded = self.embed(distinct, use_tqdm, truncate_prompt_tokens, lora_request)
+        pairs = [(at[texts_1[i]], at[texts_2[j]]) for i, j in pairs]
+        scores = cosine_scores([e.outputs.embedding for e in embedded], pairs)
+        return [ScoringRequestOutput(f"{embedded[i].request_id}_{embedded[j].request_id}",
+                                     embedded[i].prompt_token_ids + embedded[j].prompt_token_ids, ScoringOutput(score))
+                for (i, j), score in zip(pairs, scores)]
 
     def _loras_per_prompt(self, lora_request, n: int) -> list[Optional[LoRAAdapter]]:
         """Each prompt's adapter, read the first time its LoRARequest comes."""

@@ -2,7 +2,8 @@
 
 Routes: GET /health, GET /version, GET /metrics, GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions, POST /v1/responses with GET and DELETE /v1/responses/{id}
-(responses.py), POST /v1/embeddings (embeddings.py), POST /tokenize, POST /detokenize, and
+(responses.py), POST /v1/embeddings (embeddings.py), POST /v1/score and /v1/rerank (scoring.py),
+POST /tokenize, POST /detokenize, and
 GET / with GET /static/*:
 the chat page (streamserve/static/), which talks to GET /v1/ws (websocket.py). One
 middleware turns every exception into OpenAI's error body with the right status; no stack
@@ -131,9 +132,10 @@ def build_app(engine: AsyncEngine, server: ServerConfig, model_name: str) -> web
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
-    from streamserve.server import embeddings, lora, responses, websocket  # they import this module's helpers
+    from streamserve.server import embeddings, lora, responses, scoring, websocket  # they import this module's helpers
     lora.add_routes(app)
     embeddings.add_routes(app)
+    scoring.add_routes(app)
     responses.add_routes(app)
     websocket.add_routes(app)
 

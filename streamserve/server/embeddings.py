@@ -25,7 +25,7 @@ from streamserve.server.app import CONFIG, ENGINE, json_response, merged, read_b
 from streamserve.server.protocol import APIError, bad_request
 
 
-def _params(body: dict[str, Any]) -> SamplingParams:
+def embedding_params(body: dict[str, Any]) -> SamplingParams:
     """EMBEDDING, with vLLM's truncate_prompt_tokens where the body gives it."""
     try:
         return dataclasses.replace(EMBEDDING, truncate_prompt_tokens=body.get("truncate_prompt_tokens"))
@@ -44,15 +44,33 @@ def _inputs(body: dict[str, Any], engine, limit: int, params: SamplingParams
         raise bad_request(message.replace("prompt", "input"), "input") from None
     if len(inputs) > limit:
         raise bad_request(f"{len(inputs)} inputs: at most {limit} a request (--max-choices)", "input")
+    return prepared(engine, inputs, params, "input")
+
+
+def prepared(engine, inputs: list, params: SamplingParams, param: str) -> list[tuple[Optional[str], list[int]]]:
+    """(text or None, token IDs) of each input (a string or token IDs), cut to its last
+    params.truncate_prompt_tokens tokens where that is set and checked against the model's
+    length and vocabulary; a 400 naming `param` (and the input, where there are several)."""
     prompts = [(x, engine.renderer.encode(x)) if isinstance(x, str) else (None, x) for x in inputs]
     for i, (text, ids) in enumerate(prompts):
         try:
             prompts[i] = engine.input_processor.truncate(text, ids, params)
             engine.input_processor.validate(prompts[i][1], params)
         except ParamError as exc:
-            message = f"input {i}: {exc}" if len(prompts) > 1 else str(exc)
-            raise bad_request(message, "input" if exc.param == "prompt" else exc.param) from None
+            message = f"{param} {i}: {exc}" if len(prompts) > 1 else str(exc)
+            raise bad_request(message, param if exc.param == "prompt" else exc.param) from None
     return prompts
+
+
+async def embed(engine, prompts: list[tuple[Optional[str], list[int]]], params: SamplingParams, priority: int,
+                lora) -> list[list[float]]:
+    """Each prompt's embedding, the prompts run at once (aborted where the client leaves)."""
+    vectors: list[Optional[list[float]]] = [None] * len(prompts)
+    streams = [engine.generate(ids, params, prompt=text, priority=priority, lora=lora) for text, ids in prompts]
+    async with contextlib.aclosing(merged(streams)) as deltas:  # closed early (the client left): aborted
+        async for i, delta in deltas:
+            vectors[i] = delta.embedding or vectors[i]
+    return vectors
 
 
 async def create_embeddings(request: web.Request) -> web.Response:
@@ -63,13 +81,10 @@ async def create_embeddings(request: web.Request) -> web.Response:
         raise bad_request("'encoding_format' must be 'float' or 'base64'", "encoding_format")
     if body.get("dimensions") is not None:
         raise bad_request("'dimensions' is not supported: embeddings have the model's own size", "dimensions")
-    params, priority, lora = _params(body), request_priority(engine, body), served_adapter(request, body.get("model"))
+    params, priority = embedding_params(body), request_priority(engine, body)
+    lora = served_adapter(request, body.get("model"))
     prompts = _inputs(body, engine, serving.server.max_choices, params)
-    vectors: list[Optional[list[float]]] = [None] * len(prompts)
-    streams = [engine.generate(ids, params, prompt=text, priority=priority, lora=lora) for text, ids in prompts]
-    async with contextlib.aclosing(merged(streams)) as deltas:  # closed early (the client left): aborted
-        async for i, delta in deltas:
-            vectors[i] = delta.embedding or vectors[i]
+    vectors = await embed(engine, prompts, params, priority, lora)
     data = [{"object": "embedding", "index": i,
              "embedding": vector if fmt == "float" else
              base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()}

@@ -625,6 +625,35 @@ def test_embed_is_the_last_tokens_final_hidden_state_normalised(model_dirs, arch
     assert [o.embedding is None for o in mixed] == [True, True, False, False]
 
 
+def test_score_is_the_cosine_of_the_texts_embeddings(llm):
+    """LLM.score (vLLM's, with an embedding model): one text against each of a list, or two lists
+    pairwise; each score the cosine similarity of the two texts' LLM.embed vectors (computed
+    here by torch), a text against itself 1; lists of other lengths, or no text, refused."""
+    import torch
+
+    texts = ["hello world", "The quick brown fox", "hi there", "hello world"]
+    vectors = {t: torch.tensor(o.outputs.embedding, dtype=torch.float64)
+               for t, o in zip(texts, llm.embed(texts, use_tqdm=False))}
+
+    def cosine(a, b):
+        return float(torch.nn.functional.cosine_similarity(vectors[a], vectors[b], dim=0))
+
+    one_to_many = llm.score("hello world", texts, use_tqdm=False)
+    assert [o.outputs.score for o in one_to_many] == pytest.approx([cosine("hello world", t) for t in texts], abs=1e-6)
+    assert one_to_many[0].outputs.score == pytest.approx(1.0, abs=1e-6) and one_to_many[1].outputs.score < 0.999
+    tok = llm.get_tokenizer()
+    assert one_to_many[1].prompt_token_ids == tok.encode("hello world") + tok.encode("The quick brown fox")
+    pairwise = llm.score(texts[:2], texts[2:], use_tqdm=False)
+    assert [o.outputs.score for o in pairwise] == pytest.approx([cosine(texts[0], texts[2]), cosine(texts[1], texts[3])],
+                                                                abs=1e-6)
+    with pytest.raises(ValueError, match="text_1 has 2 texts and text_2 3"):
+        llm.score(texts[:2], texts[:3], use_tqdm=False)
+    with pytest.raises(ValueError, match="LLM.score takes texts"):
+        llm.score("hi", [], use_tqdm=False)
+    with pytest.raises(ValueError, match="LLM.score takes texts"):
+        llm.score("", "hi", use_tqdm=False)
+
+
 # -- vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens -----------------------------
 
 

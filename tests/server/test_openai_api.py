@@ -1043,6 +1043,52 @@ def test_embeddings_are_the_offline_engines(client, server, offline):
             offline.embed([long[-kept:]], use_tqdm=False)[0].outputs.embedding, abs=1e-5)
 
 
+def test_score_and_rerank_are_the_offline_engines(server, offline):
+    """/v1/score (vLLM's; also /score): one text_1 against each text_2, or pairwise, each the
+    pair's LLM.score; /v1/rerank (also /rerank and /v2/rerank, Jina's and Cohere's shape): the
+    documents best first with their indices and texts, top_n of them; usage counts each distinct
+    text's tokens once; bad bodies are 400s naming the field."""
+    texts = ["hello world", "The quick brown fox", "hi there"]
+    expected = [o.outputs.score for o in offline.score("hello world", texts, use_tqdm=False)]
+    for path in ("/v1/score", "/score"):
+        status, reply = post(server + path, {"model": "tiny", "text_1": "hello world", "text_2": texts})
+        assert status == 200 and reply["object"] == "list" and reply["model"] == "tiny"
+        assert [d["index"] for d in reply["data"]] == [0, 1, 2] and {d["object"] for d in reply["data"]} == {"score"}
+        assert [d["score"] for d in reply["data"]] == pytest.approx(expected, abs=1e-5)
+    tokens = sum(len(offline.get_tokenizer().encode(t)) for t in texts)  # "hello world" once
+    assert reply["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+    status, reply = post(server + "/v1/score", {"text_1": texts[:2], "text_2": texts[1:]})
+    pairwise = [o.outputs.score for o in offline.score(texts[:2], texts[1:], use_tqdm=False)]
+    assert status == 200 and [d["score"] for d in reply["data"]] == pytest.approx(pairwise, abs=1e-5)
+
+    order = sorted(range(3), key=lambda k: -expected[k])
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        status, reply = post(server + path, {"model": "tiny", "query": "hello world", "documents": texts})
+        assert status == 200 and reply["model"] == "tiny" and reply["usage"] == {"total_tokens": tokens}
+        assert [r["index"] for r in reply["results"]] == order
+        assert [r["document"]["text"] for r in reply["results"]] == [texts[k] for k in order]
+        assert [r["relevance_score"] for r in reply["results"]] == pytest.approx(sorted(expected, reverse=True),
+                                                                                 abs=1e-5)
+    status, reply = post(server + "/v1/rerank", {"query": "hello world", "top_n": 2, "return_documents": False,
+                                                 "documents": [{"text": t} for t in texts]})
+    assert status == 200 and [r["index"] for r in reply["results"]] == order[:2]
+    assert all("document" not in r for r in reply["results"])
+    for path, body, param in (
+            ("/v1/score", {"text_1": "a"}, "text_2"), ("/v1/score", {"text_1": [], "text_2": "a"}, "text_1"),
+            ("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1"),
+            ("/v1/score", {"text_1": "a", "text_2": [""]}, "text_2"),
+            ("/v1/score", {"text_1": "a", "text_2": [1, 2]}, "text_2"),
+            ("/v1/score", {"text_1": "a", "text_2": "x " * 600}, "text"),
+            ("/v1/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+            ("/v1/score", {"text_1": "a", "text_2": "b", "model": "nope"}, "model"),
+            ("/v1/rerank", {"documents": ["a"]}, "query"), ("/v1/rerank", {"query": "a"}, "documents"),
+            ("/v1/rerank", {"query": "a", "documents": [{"txt": "b"}]}, "documents"),
+            ("/v1/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n"),
+            ("/v1/rerank", {"query": "a", "documents": ["b"], "return_documents": "no"}, "return_documents")):
+        status, error = post(server + path, body)
+        assert status == (404 if param == "model" else 400) and error["error"]["param"] == param, (body, error)
+
+
 def test_vllms_allowed_token_ids_bad_words_and_truncation_are_served(client, server, offline):
     """allowed_token_ids, bad_words and truncate_prompt_tokens (vLLM's extras) served as LLM.generate
     runs them, in completions and chats; bad values are 400s naming the field."""
