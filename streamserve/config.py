@@ -101,6 +101,16 @@ def sampling_defaults(model_dir: str, setting: str, override: Optional[dict]) ->
     return defaults
 
 
+def merged_over(base: dict, overrides: dict) -> dict:
+    """`base` with `overrides` merged in: where both hold an object under a key, merged the same
+    way; else the override's value."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merged_over(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
+
+
 @dataclass
 class ModelConfig:
     """What model to run and how to read it."""
@@ -130,6 +140,10 @@ class ModelConfig:
                 "gets the model's generation_config.json value, and its max_new_tokens caps max_tokens, as "
                 "in vLLM; vllm: streamserve's own defaults; or a directory holding the "
                 "generation_config.json to read"})
+    hf_overrides: Optional[dict] = field(default=None, metadata={
+        "help": "JSON merged over the model's config.json (objects key by key, other values replaced), "
+                "as vLLM's --hf-overrides: e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                "\"original_max_position_embeddings\": 32768}}' for Qwen's long contexts"})
     override_generation_config: Optional[dict] = field(default=None, metadata={
         "help": "JSON of such defaults over the file's (or over none with --generation-config vllm), "
                 "e.g. '{\"temperature\": 0.5}'"})
@@ -148,7 +162,7 @@ class ModelConfig:
             self.source = self.model or DEFAULT_MODEL
             self.model = resolve_model(self.model, self.gguf_file, convert)
             with open(os.path.join(self.model, "config.json"), encoding="utf-8") as f:
-                self.hf_config = json.load(f)
+                self.hf_config = merged_over(json.load(f), self.hf_overrides or {})
         self.tokenizer = self.tokenizer or self.model
         if self.chat_template is not None:
             self.chat_template = read_chat_template(self.chat_template)
@@ -174,8 +188,11 @@ class ModelConfig:
         return _DTYPES[self.dtype]
 
     def derived_max_model_len(self) -> int:
-        """The model's own context length (a sliding window's layers attend within it past that)."""
-        return int(self.hf_config.get("max_position_embeddings") or 2048)
+        """The model's own context length (a sliding window's layers attend within it past that;
+        YaRN scaling stretches it by its factor)."""
+        from streamserve.models.llama import context_length
+
+        return context_length(self.hf_config)
 
     @property
     def architecture(self) -> str:

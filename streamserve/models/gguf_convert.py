@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import math
 import os
 import shutil
 import uuid
@@ -128,9 +129,29 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype, vocab_size: 
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    elif scaling == "yarn":
+        config["rope_scaling"] = _yarn_config(get, config["max_position_embeddings"])
     elif scaling not in (None, "none"):
-        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (supported: none, linear)")
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not supported (supported: none, linear, yarn)")
     return config
+
+
+def _yarn_config(get, context: int) -> dict[str, Any]:
+    """YaRN's rope_scaling as llama.cpp reads it from a GGUF: the factor, the original context
+    (the file's context where it names none), the betas where given, and its attn_factor, which
+    llama.cpp multiplies into YaRN's own 0.1 ln(factor) + 1."""
+    factor = float(get("rope.scaling.factor"))
+    rope = {"rope_type": "yarn", "factor": factor,
+            "original_max_position_embeddings": get("rope.scaling.original_context_length") or context}
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if get(f"rope.scaling.{key}") is not None:
+            rope[name] = get(f"rope.scaling.{key}")
+    attn_factor = get("rope.scaling.attn_factor")
+    if attn_factor is not None and attn_factor != 1.0:
+        rope["attention_factor"] = attn_factor * (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    if get("rope.scaling.yarn_log_multiplier"):
+        raise ValueError("GGUF rope.scaling.yarn_log_multiplier (DeepSeek's YaRN) is not supported")
+    return rope
 
 
 def _gemma_config(arch: str, get, config: dict[str, Any]) -> dict[str, Any]:

@@ -165,18 +165,59 @@ GATES = {"silu": silu_and_mul, "gelu": gelu_and_mul, "gelu_tanh": gelu_tanh_and_
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
-    """Rotary inverse frequencies, with Llama-3-style or linear scaling."""
+    """Rotary inverse frequencies, with Llama-3-style, linear or YaRN scaling."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
+    kind = rope_kind(scaling)
+    if kind == "default":
         return inv_freq
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         return _llama3_scale(inv_freq, scaling)
-    raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return _yarn_scale(head_dim, theta, scaling)
+    raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+
+
+def rope_kind(scaling: Optional[dict]) -> str:
+    return (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+
+
+def rope_attention_factor(scaling: Optional[dict]) -> float:
+    """What YaRN multiplies the rotary cos and sin by (so each score by its square): the
+    config's attention_factor, else 0.1 ln(factor) + 1, or with DeepSeek's mscale and
+    mscale_all_dim the ratio of two such; 1 for the other kinds (transformers' rule)."""
+    if rope_kind(scaling) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all_dim = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+
+    def get(m: float = 1.0) -> float:
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return get(mscale) / get(mscale_all_dim) if mscale and mscale_all_dim else get()
+
+
+def _yarn_scale(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN's frequencies: the fastest dimensions as they were, the slowest divided by the factor,
+    a linear ramp between the dimensions that turn beta_fast and beta_slow times over the original
+    context (computed as transformers does, so that the tables agree)."""
+    factor, original = float(scaling["factor"]), scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_turning(turns: float) -> float:  # the dimension whose frequency turns `turns` times
+        return head_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(beta_fast), dim_turning(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    kept = 1 - ramp  # the share of each dimension's own frequency
+    return 1.0 / (factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
 
 
 def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -213,8 +254,10 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         # rotate_half(x) * sin == roll(x, D/2) * sin_signed, with the first half of sin negated.
         sin_signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        factor = rope_attention_factor(self.scaling)  # (YaRN's; 1 for the rest)
+        cos_sin = torch.stack((emb.cos() * factor, sin_signed * factor), dim=1)
         # [max_position, 2, head_dim], computed in float32 then cast (as Hugging Face does).
-        self.cos_sin_cache = torch.stack((emb.cos(), sin_signed), dim=1).to(device=device, dtype=dtype)
+        self.cos_sin_cache = cos_sin.to(device=device, dtype=dtype)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token cos and signed sin, [T, 1, D] each: computed once per step."""

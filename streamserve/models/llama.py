@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from streamserve.models.layers import (GATES, AttentionFn, ForwardContext, Linear, PackedEmbedding, RMSNorm,
-                                       RotaryEmbedding)
+                                       RotaryEmbedding, rope_kind)
 from streamserve.lora.adapter import LoRATarget
 from streamserve.lora.step import LoRAStep
 from streamserve.models.quantized import QuantizedWeight
@@ -89,6 +89,8 @@ class LlamaArch:
             rope_params = {"rope_theta": 1000000.0, **rope_params}  # (Gemma3TextConfig's default)
         scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in
                                               (None, "default") else None)
+        if rope_kind(scaling) == "yarn":  # (transformers' default: the context the config names)
+            scaling = {"original_max_position_embeddings": cfg.get("max_position_embeddings", 2048), **scaling}
         theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
         if gemma:  # transformers' Gemma runs GELU's tanh form where a config says "gelu" (Gemma 1's do)
             act = cfg.get("hidden_activation") or (cfg.get("hidden_act") if gemma == 1 else None) or "gelu_tanh"
@@ -116,7 +118,7 @@ class LlamaArch:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,
-            max_position=cfg.get("max_position_embeddings", 2048),
+            max_position=context_length(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias or bool(cfg.get("attention_bias", False)),
             qk_norm=qk_norm,
@@ -190,6 +192,17 @@ def sliding_windows(cfg: dict, every: int, opt_in: bool = False) -> tuple[int, .
     else:
         windows = [window] * n
     return tuple(windows) if any(windows) else ()
+
+
+def context_length(cfg: dict) -> int:
+    """The longest sequence config.json allows: max_position_embeddings, or with YaRN scaling
+    its original context times its factor (vLLM's rule)."""
+    length = int(cfg.get("max_position_embeddings") or 2048)
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)  # (one set per layer type: the full layers')
+    if rope_kind(rope) == "yarn" and rope.get("factor"):
+        length = int(float(rope.get("original_max_position_embeddings") or length) * float(rope["factor"]))
+    return length
 
 
 def rotary_layers(cfg: dict) -> tuple[bool, ...]:

@@ -225,3 +225,51 @@ def test_llamas_kin_on_the_torch_path_without_the_c_kernels(model_dirs, monkeypa
     assert runner.c_kernels is None and not runner.cpu_attention
     assert runner.windows == ([16] if arch.startswith("gemma") else [])
     check_parity(llm, model_dirs[arch], num_prompts=5, new_tokens=12)
+
+
+@pytest.mark.parametrize("rope", [
+    {"factor": 4.0, "original_max_position_embeddings": 64},  # Qwen's long-context setting
+    {"factor": 2.0, "beta_fast": 16, "beta_slow": 2, "truncate": False},  # no original: max_position_embeddings
+    {"factor": 8.0, "original_max_position_embeddings": 64, "mscale": 0.7, "mscale_all_dim": 1.0},  # DeepSeek's
+    {"factor": 3.0, "original_max_position_embeddings": 64, "attention_factor": 1.25},
+], ids=["qwen", "betas", "mscale", "attention-factor"])
+def test_yarn_rope_scaling_matches_transformers(tmp_path, rope):
+    """YaRN (rope_type "yarn", as Qwen's models are told to add for long contexts): the rotary
+    frequencies and the factor on cos and sin as transformers computes them, so greedy tokens
+    and logprobs on prompts past the original context match; the context stretches to the
+    original one times the factor (vLLM's rule)."""
+    import torch
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from streamserve.models.layers import rope_attention_factor, rope_inv_freq
+    from tiny_models import build_model
+
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, **rope}
+    path = build_model(str(tmp_path / "yarn"), "qwen3", seed=4, max_position_embeddings=64, rope_parameters=rope)
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB")
+    assert llm.config.model.max_model_len == int(rope.get("original_max_position_embeddings", 64) * rope["factor"])
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](Qwen3Config.from_pretrained(path), "cpu")
+    scaling = llm.engine_core.model_runner.model.arch.rope_scaling
+    assert torch.equal(rope_inv_freq(32, 10000.0, scaling), inv_freq)
+    assert rope_attention_factor(scaling) == pytest.approx(factor, rel=1e-12) and factor != 1.0
+    check_parity(llm, path, num_prompts=6, new_tokens=12)
+
+
+def test_hf_overrides_turn_yarn_on_over_config_json(tmp_path):
+    """vLLM's hf_overrides merged over config.json: YaRN's rope parameters added to a Qwen3's
+    own (their rope_theta kept) run as the checkpoint that ships them does; a value that is no
+    object is refused."""
+    from tiny_models import build_model
+
+    plain = build_model(str(tmp_path / "plain"), "qwen3", seed=4, max_position_embeddings=64,
+                        rope_parameters={"rope_type": "default", "rope_theta": 5000.0})
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    shipped = build_model(str(tmp_path / "yarn"), "qwen3", seed=4, max_position_embeddings=64,
+                          rope_parameters={**yarn, "rope_theta": 5000.0})
+    llm = LLM(plain, dtype="float32", kv_cache_memory="32MiB", hf_overrides={"rope_parameters": yarn})
+    assert llm.config.model.hf_config["rope_parameters"] == {**yarn, "rope_theta": 5000.0}
+    assert llm.config.model.max_model_len == 256
+    check_parity(llm, shipped, num_prompts=4, new_tokens=12)
+    with pytest.raises(TypeError, match="hf_overrides must be dict"):
+        LLM(plain, hf_overrides='{"max_position_embeddings": 32}')

@@ -69,6 +69,10 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
         writer.add_attention_scale(cfg["attention_multiplier"])
         writer.add_logit_scale(cfg["logits_scaling"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes Qwen's
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "llama":
         writer.add_vocab_size(cfg["vocab_size"])
     if sliding_window:
@@ -333,6 +337,31 @@ def test_a_qwen2_gguf_as_llama_cpp_writes_it_matches_transformers(tmp_path):
     path = str(tmp_path / "qwen2.gguf")
     write_gguf(hf_dir, path, every_matrix(Q.F32), arch="qwen2")
     check_parity(LLM(path, dtype="float32", kv_cache_memory="16MiB"), hf_dir, num_prompts=3, new_tokens=8)
+
+
+def test_a_gguf_with_yarn_scaling_matches_transformers(tmp_path):
+    """llama.cpp's YaRN keys (rope.scaling.type yarn, its factor and original context) read back
+    as the checkpoint's rope_scaling: the stretched context and transformers' tokens."""
+    from parity import check_parity
+    from streamserve.models.gguf_convert import hf_config
+    from tiny_models import build_model
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    hf_dir = build_model(str(tmp_path / "qwen2"), "qwen2", seed=3, max_position_embeddings=32, rope_parameters=rope,
+                         tie_word_embeddings=True)
+    path = str(tmp_path / "qwen2.gguf")
+    write_gguf(hf_dir, path, every_matrix(Q.F32), arch="qwen2")
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    assert llm.config.model.max_model_len == 128
+    check_parity(llm, hf_dir, num_prompts=4, new_tokens=8)
+    meta = {"general.architecture": "qwen2", "qwen2.attention.head_count": 4, "qwen2.embedding_length": 64,
+            "qwen2.rope.scaling.type": "yarn", "qwen2.rope.scaling.factor": 4.0, "qwen2.context_length": 512,
+            "qwen2.rope.scaling.attn_factor": 0.5, "qwen2.rope.scaling.yarn_beta_fast": 16.0}
+    assert hf_config(meta, tied=True, dtype=torch.float32, vocab_size=100)["rope_scaling"] == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "beta_fast": 16.0,
+        "attention_factor": pytest.approx(0.5 * (0.1 * np.log(4.0) + 1))}
+    with pytest.raises(ValueError, match="yarn_log_multiplier"):
+        hf_config({**meta, "qwen2.rope.scaling.yarn_log_multiplier": 0.1}, tied=True, dtype=torch.float32)
 
 
 def test_a_phi3_gguf_with_its_fused_tensors_matches_transformers(tmp_path):
