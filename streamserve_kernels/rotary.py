@@ -3,11 +3,13 @@
 positions      [T] int
 q, k           [T, Hq, D] and [T, Hkv, D]; rows and heads may be strided (q and k are views
                into the fused qkv), the last dim contiguous
-cos_sin_cache  [max_position, 2, D]: streamserve.models.layers.RotaryEmbedding.cos_sin_cache,
+cos_sin_cache  [max_position, 2, R]: streamserve.models.layers.RotaryEmbedding.cos_sin_cache,
                [p, 0] = cos(p * f) and [p, 1] = (-sin(p * f), sin(p * f)) over the halves, with
-               the inverse frequencies f already Llama-3 (or linearly) scaled
+               the inverse frequencies f already Llama-3 (or linearly, or YaRN) scaled; R <= D,
+               the leading dims of each head that turn (a partial rotary: the rest stay)
 
-x1, x2 = halves of x:  x1' = x1 * cos - x2 * sin,  x2' = x2 * cos + x1 * sin  (in float32).
+x1, x2 = halves of x's first R dims:  x1' = x1 * cos - x2 * sin,  x2' = x2 * cos + x1 * sin
+(in float32).
 """
 
 from __future__ import annotations
@@ -56,14 +58,16 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     num_tokens, num_q_heads, head_dim = q.shape
     if k.dim() != 3 or k.shape[0] != num_tokens or k.shape[2] != head_dim or head_dim % 2:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, H, D] with one even D")
-    if tuple(cos_sin_cache.shape[1:]) != (2, head_dim) or cos_sin_cache.stride(2) != 1:
-        raise ValueError(f"cos_sin_cache must be [max_position, 2, {head_dim}] (RotaryEmbedding.cos_sin_cache), "
-                         f"got {tuple(cos_sin_cache.shape)}")
+    rotated = cos_sin_cache.shape[-1]
+    if (cos_sin_cache.dim() != 3 or cos_sin_cache.shape[1] != 2 or rotated % 2 or not 0 < rotated <= head_dim
+            or cos_sin_cache.stride(2) != 1):
+        raise ValueError(f"cos_sin_cache must be [max_position, 2, R] with an even R <= {head_dim} "
+                         f"(RotaryEmbedding.cos_sin_cache), got {tuple(cos_sin_cache.shape)}")
     if q.stride(2) != 1 or k.stride(2) != 1:
         raise ValueError("q and k must be contiguous in their last dim")
     if num_tokens == 0:
         return
-    half = head_dim // 2
+    half = rotated // 2
     _rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache, num_q_heads, k.shape[1],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0), cos_sin_cache.stride(1),
@@ -73,9 +77,11 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 def rotary_embedding_ref(positions: torch.Tensor, x: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
-    """Plain torch, out of place, for one of q or k: [T, H, D] rotated, in x's dtype."""
-    half = x.shape[-1] // 2
-    rows = cos_sin_cache[positions.long()].float()  # [T, 2, D]
-    cos, sin = rows[:, 0, None, :half], rows[:, 1, None, half:]  # [T, 1, D/2], sin positive
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    """Plain torch, out of place, for one of q or k: [T, H, D] rotated over its first R dims
+    (the cache's), in x's dtype."""
+    rotated = cos_sin_cache.shape[-1]
+    half = rotated // 2
+    rows = cos_sin_cache[positions.long()].float()  # [T, 2, R]
+    cos, sin = rows[:, 0, None, :half], rows[:, 1, None, half:]  # [T, 1, R/2], sin positive
+    x1, x2 = x[..., :half].float(), x[..., half:rotated].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotated:].float()), dim=-1).to(x.dtype)

@@ -71,6 +71,11 @@ def _config(arch: str, **overrides):
         kwargs.update(tie_word_embeddings=True, head_dim=32, use_sliding_window=False)
     elif arch == "phi3":  # its checkpoint stores q/k/v and gate/up fused
         kwargs.update(tie_word_embeddings=False, sliding_window=None, original_max_position_embeddings=512)
+    elif arch == "phi4":  # Phi-4-mini's: a Phi-3 whose rotary turns 3/4 of each head, tied, LongRoPE
+        kwargs.update(tie_word_embeddings=True, sliding_window=None, original_max_position_embeddings=128,
+                      partial_rotary_factor=0.75, rope_parameters={
+                          "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.5],
+                          "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})
     elif arch == "gemma":
         kwargs.update(tie_word_embeddings=True, head_dim=16)
     elif arch == "gemma2":  # a window of 16 in every other layer, soft-capped scores and logits
@@ -92,12 +97,12 @@ def _config(arch: str, **overrides):
         raise ValueError(arch)
     kwargs.update(overrides)
     kind = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-            "phi3": Phi3Config, "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig,
+            "phi3": Phi3Config, "phi4": Phi3Config, "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig,
             "smollm3": SmolLM3Config, "granite": GraniteConfig}
     return kind[arch](**kwargs)
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "smollm3", "granite")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi4", "gemma", "gemma2", "gemma3", "smollm3", "granite")
 
 
 def build_model(path: str, arch: str, seed: int = 0, max_shard_size: Optional[str] = None,

@@ -528,7 +528,7 @@ class _StepLayer(ctypes.Structure):
 class _StepModel(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_long) for name in (
         "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
-        "max_position", "num_slots", "quant_max_tokens", "kv_half", "bf16_dot", "gelu")]
+        "max_position", "num_slots", "quant_max_tokens", "kv_half", "bf16_dot", "gelu", "rotary_dim")]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
            ("residual_scale", ctypes.c_float),
            ("final_norm", ctypes.c_void_p),
@@ -608,7 +608,7 @@ class StepForward:
             block_size=kv_caches[0].shape[2], max_position=model.rotary.cos_sin_cache.shape[0],
             num_slots=kv_caches[0].shape[1] * kv_caches[0].shape[2],
             quant_max_tokens=quant_max_tokens, kv_half=kv_caches[0].dtype == torch.float16, bf16_dot=bf16_dot,
-            gelu=arch.hidden_act == "gelu_tanh",
+            gelu=arch.hidden_act == "gelu_tanh", rotary_dim=arch.rotated_dims,
             eps=arch.rms_norm_eps, scale=arch.scale, softcap=arch.attn_softcap or 0.0,
             residual_scale=arch.residual_scale, final_norm=ptr(model.norm.weight),
             cos_sin=ptr(model.rotary.cos_sin_cache), layers=layers)
@@ -665,6 +665,8 @@ class StepForward:
             return f"its MLP is gated by {arch.hidden_act}"
         if not fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim) or arch.head_dim % 2:
             return f"heads {arch.num_heads}/{arch.num_kv_heads} of {arch.head_dim}"
+        if arch.rotated_dims % 2 or any(r.cos_sin_cache.shape[-1] != arch.rotated_dims for r in model.rotaries()):
+            return f"its rotary turns {arch.rotated_dims} dims, its tables hold another number"
         if any(t.dtype not in KV_CACHE_DTYPES or t.dtype != kv_caches[0].dtype or t.device.type != "cpu"
                or not t.is_contiguous() for t in kv_caches):
             return "its KV caches are not all contiguous float32 or all float16 on the CPU"

@@ -123,9 +123,8 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype, vocab_size: 
     if window:  # (a Phi-3's layers attend within it; transformers' Llama, as llama.cpp's, ignores it)
         config["sliding_window"] = window
     rotary = get("rope.dimension_count")
-    if rotary and rotary != config["head_dim"]:
-        raise ValueError(f"GGUF rope.dimension_count {rotary} rotates part of each head of {config['head_dim']}: "
-                         "streamserve rotates whole heads")
+    if rotary and rotary != config["head_dim"]:  # (Phi-4-mini's turns 3/4 of each head)
+        config["partial_rotary_factor"] = rotary / config["head_dim"]
     scaling = get("rope.scaling.type")
     if scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
@@ -151,6 +150,24 @@ def _yarn_config(get, context: int) -> dict[str, Any]:
         rope["attention_factor"] = attn_factor * (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
     if get("rope.scaling.yarn_log_multiplier"):
         raise ValueError("GGUF rope.scaling.yarn_log_multiplier (DeepSeek's YaRN) is not supported")
+    return rope
+
+
+_ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # LongRoPE's, as llama.cpp keeps them
+
+
+def _longrope_config(meta: dict[str, Any], factors: dict[str, list[float]], config: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE's rope_scaling (Phi-3's 128k models, Phi-3.5-mini, Phi-4-mini) from the factors
+    llama.cpp keeps as tensors, its original context and attention factor from the metadata."""
+    if len(factors) != 2:
+        raise ValueError(f"this GGUF carries {', '.join(factors)} without its pair: LongRoPE needs both")
+    arch = meta["general.architecture"]
+    rope = {"rope_type": "longrope", "short_factor": factors["rope_factors_short.weight"],
+            "long_factor": factors["rope_factors_long.weight"],
+            "original_max_position_embeddings": meta.get(f"{arch}.rope.scaling.original_context_length")
+            or config["max_position_embeddings"]}
+    if meta.get(f"{arch}.rope.scaling.attn_factor") is not None:
+        rope["attention_factor"] = meta[f"{arch}.rope.scaling.attn_factor"]
     return rope
 
 
@@ -247,17 +264,20 @@ def _write_conversion(gguf_path: str, tmp_dir: str, dtype: torch.dtype) -> None:
     if "rope_freqs.weight" in names:
         raise ValueError("this GGUF carries rope_freqs (Llama-3.1-style rope scaling), which "
                          "streamserve does not read from GGUF yet; use the Hugging Face checkpoint")
-    if "rope_factors_long.weight" in names:
-        raise ValueError("this GGUF carries rope_factors_long (Phi-3's 128k LongRoPE scaling), which "
-                         "streamserve does not support; its 4k-context models run")
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     config = hf_config(meta, tied="output.weight" not in names, dtype=dtype,
                        vocab_size=None if embedding is None else int(embedding.shape[-1]))
+    factors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
+               for t in reader.tensors if t.name in _ROPE_FACTORS}
+    if factors:
+        config["rope_scaling"] = _longrope_config(meta, factors, config)
     permuted = ARCHS[meta["general.architecture"]][2]
     os.makedirs(tmp_dir)
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantizedWeight] = {}
     for t in tqdm(reader.tensors, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor"):
+        if t.name in _ROPE_FACTORS:
+            continue  # (in config.json's rope_scaling)
         name = hf_name(t.name, meta["general.architecture"])
 
         def unpermuted(rows: np.ndarray) -> np.ndarray:

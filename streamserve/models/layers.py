@@ -176,21 +176,31 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch
         return _llama3_scale(inv_freq, scaling)
     if kind == "yarn":
         return _yarn_scale(head_dim, theta, scaling)
-    raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3, yarn)")
+    if kind == "longrope":  # its short factors: the context is the original one (context_length)
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta ** shape)
+    raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3, yarn, longrope)")
 
 
 def rope_kind(scaling: Optional[dict]) -> str:
-    return (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    return "longrope" if kind == "su" else kind  # (Phi-3's first configs' name for it)
 
 
 def rope_attention_factor(scaling: Optional[dict]) -> float:
-    """What YaRN multiplies the rotary cos and sin by (so each score by its square): the
-    config's attention_factor, else 0.1 ln(factor) + 1, or with DeepSeek's mscale and
-    mscale_all_dim the ratio of two such; 1 for the other kinds (transformers' rule)."""
-    if rope_kind(scaling) != "yarn":
+    """What YaRN and LongRoPE multiply the rotary cos and sin by (so each score by its square):
+    the config's attention_factor, else YaRN's 0.1 ln(factor) + 1, or with DeepSeek's mscale and
+    mscale_all_dim the ratio of two such, and LongRoPE's sqrt(1 + ln(factor) / ln(original
+    context)); 1 for the other kinds (transformers' rules)."""
+    kind = rope_kind(scaling)
+    if kind not in ("yarn", "longrope"):
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
+    if kind == "longrope":
+        factor = float(scaling["factor"])
+        return math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"])) \
+            if factor > 1 else 1.0
     factor, mscale, mscale_all_dim = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
 
     def get(m: float = 1.0) -> float:
@@ -235,7 +245,8 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves), cos/sin cached for every position."""
+    """Neox-style rotary embedding (rotate halves), cos/sin cached for every position, over the
+    leading `head_dim` dims of each head (fewer than the head's own for a partial rotary)."""
 
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: Optional[dict]) -> None:
@@ -278,8 +289,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D] -> x * cos + rotate_half(x) * sin."""
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+    """x: [T, H, D] -> x * cos + rotate_half(x) * sin, over the leading R dims of each head where
+    cos and sin are [T, 1, R] (a partial rotary: the rest pass as they are)."""
+    rotated = cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rotated], cos, sin_signed), x[..., rotated:]), -1)
+    return torch.addcmul(x * cos, x.roll(rotated // 2, dims=-1), sin_signed)
 
 
 # attention(layer_idx, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq * D]

@@ -69,6 +69,7 @@ class LlamaArch:
     rotary_layers: tuple[bool, ...] = ()  # per layer: whether it rotates q and k, or () for all (SmolLM3's)
     residual_scale: float = 1.0  # attention's and the MLP's outputs times this as they join the residual (Granite)
     logits_scaling: float = 1.0  # the logits divided by this (Granite)
+    rotary_dim: int = 0  # the leading dims of each head the rotary turns, or 0 for all (Phi-4-mini's 3/4)
 
     @classmethod
     def from_hf_config(cls, cfg: dict, qkv_bias: bool = False, qk_norm: bool = False, gemma: int = 0,
@@ -89,8 +90,10 @@ class LlamaArch:
             rope_params = {"rope_theta": 1000000.0, **rope_params}  # (Gemma3TextConfig's default)
         scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in
                                               (None, "default") else None)
-        if rope_kind(scaling) == "yarn":  # (transformers' default: the context the config names)
-            scaling = {"original_max_position_embeddings": cfg.get("max_position_embeddings", 2048), **scaling}
+        if rope_kind(scaling) in ("yarn", "longrope"):  # (transformers' defaults: the context the config names)
+            scaling = {**scaling, "original_max_position_embeddings": original_context(cfg, scaling)}
+        if rope_kind(scaling) == "longrope" and not scaling.get("factor"):  # (its attention factor's)
+            scaling["factor"] = cfg.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
         theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
         if gemma:  # transformers' Gemma runs GELU's tanh form where a config says "gelu" (Gemma 1's do)
             act = cfg.get("hidden_activation") or (cfg.get("hidden_act") if gemma == 1 else None) or "gelu_tanh"
@@ -98,6 +101,11 @@ class LlamaArch:
         else:
             act = cfg.get("hidden_act") or "silu"
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        partial = cfg.get("partial_rotary_factor") or (scaling or rope_params).get("partial_rotary_factor") or 1.0
+        rotary_dim = int(head_dim * partial)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"partial_rotary_factor {partial} turns {rotary_dim} of the head's {head_dim} dims: "
+                             "streamserve rotates an even number, at least 2")
         scalar = cfg.get("query_pre_attn_scalar") if gemma >= 2 else None
         if gemma >= 2:
             cfg = {"sliding_window": 4096, **cfg}  # (Gemma2Config's and Gemma3TextConfig's default)
@@ -134,6 +142,7 @@ class LlamaArch:
             attn_softcap=cfg.get("attn_logit_softcapping") if gemma else None,
             final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
             rotary_layers=rotary_layers(cfg) if nope else (),
+            rotary_dim=rotary_dim if rotary_dim < head_dim else 0,
         )
         if granite:
             fields.update(cls._granite(cfg))
@@ -155,6 +164,11 @@ class LlamaArch:
     def window(self, layer_idx: int) -> int:
         """The keys layer `layer_idx` attends to before each query's own position and it (0: all)."""
         return self.layer_windows[layer_idx] if self.layer_windows else 0
+
+    @property
+    def rotated_dims(self) -> int:
+        """The leading dims of each head the rotary turns."""
+        return self.rotary_dim or self.head_dim
 
     def rotates(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` rotates its queries and keys (SmolLM3's every fourth does not)."""
@@ -196,13 +210,25 @@ def sliding_windows(cfg: dict, every: int, opt_in: bool = False) -> tuple[int, .
 
 def context_length(cfg: dict) -> int:
     """The longest sequence config.json allows: max_position_embeddings, or with YaRN scaling
-    its original context times its factor (vLLM's rule)."""
+    its original context times its factor (vLLM's rule), or with LongRoPE its original context
+    (streamserve runs its short factors, which transformers runs up to there: past it,
+    transformers turns to the long factors for the whole sequence, which a paged cache written
+    under the short ones cannot follow)."""
     length = int(cfg.get("max_position_embeddings") or 2048)
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)  # (one set per layer type: the full layers')
     if rope_kind(rope) == "yarn" and rope.get("factor"):
-        length = int(float(rope.get("original_max_position_embeddings") or length) * float(rope["factor"]))
+        length = int(float(original_context(cfg, rope)) * float(rope["factor"]))
+    elif rope_kind(rope) == "longrope":
+        length = min(length, int(original_context(cfg, rope)))
     return length
+
+
+def original_context(cfg: dict, rope: dict) -> int:
+    """The context a scaled rotary was trained for: its original_max_position_embeddings, or
+    config.json's (Phi-3 keeps it there), or max_position_embeddings."""
+    return (rope.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+            or cfg.get("max_position_embeddings") or 2048)
 
 
 def rotary_layers(cfg: dict) -> tuple[bool, ...]:
@@ -306,9 +332,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: LlamaArch) -> None:
         super().__init__()
         self.arch = arch
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position, arch.rope_theta, arch.rope_scaling)
+        self.rotary = RotaryEmbedding(arch.rotated_dims, arch.max_position, arch.rope_theta, arch.rope_scaling)
         # Gemma 3's windowed layers: their own base, unscaled
-        self.rotary_local = (RotaryEmbedding(arch.head_dim, arch.max_position, arch.local_rope_theta, None)
+        self.rotary_local = (RotaryEmbedding(arch.rotated_dims, arch.max_position, arch.local_rope_theta, None)
                              if arch.local_rope_theta is not None else None)
         # its weight given, so that it is not drawn at random: load_model builds on the meta device,
         # where torch's normal_ imports torch._dynamo (1.5-2 s of the start-up) to fill nothing

@@ -29,10 +29,6 @@ def supported_architectures() -> list[str]:
 
 def build_model(hf_config: dict) -> LlamaForCausalLM:
     """An unloaded model for this config, or a clear error for an unknown architecture."""
-    rope = hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {}
-    partial = hf_config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0
-    if partial != 1.0:  # (Phi-4-mini's 0.75) the kernels rotate every dimension of a head
-        raise ValueError(f"partial_rotary_factor {partial} is not supported: streamserve rotates whole heads")
     archs = hf_config.get("architectures") or []
     for name in archs:
         if name in _ARCHITECTURES:

@@ -124,9 +124,9 @@ def test_sliding_window_parity(tmp_path, settings):
 
 
 def test_rotaries_the_kernels_do_not_compute_are_refused(tmp_path):
-    """Phi-4-mini's rotary covers 3/4 of each head, Phi-3's 128k models scale theirs by
-    'longrope': refused (the kernels rotate whole heads, scaled as Llama 3 or linearly), not
-    run wrong; Phi-3's fused checkpoint tensors with one missing are named."""
+    """A partial rotary over an odd number of dims, a rope scaling of a kind streamserve does not
+    compute ('dynamic'): refused, not run wrong; Phi-3's fused checkpoint tensors with one
+    missing are named."""
     import json
 
     from safetensors.torch import load_file, save_file
@@ -136,16 +136,16 @@ def test_rotaries_the_kernels_do_not_compute_are_refused(tmp_path):
     path = build_model(str(tmp_path / "partial"), "phi3")
     with open(path + "/config.json") as f:
         config = json.load(f)
-    config["rope_parameters"]["partial_rotary_factor"] = 0.75
+    config["rope_parameters"]["partial_rotary_factor"] = 0.7  # 11 of 16 dims
     with open(path + "/config.json", "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported"):
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.7 turns 11 of the head's 16 dims"):
         LLM(path, dtype="float32", kv_cache_memory="32MiB")
     config["rope_parameters"]["partial_rotary_factor"] = 1.0
-    config["rope_scaling"] = {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    config["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
     with open(path + "/config.json", "w") as f:
         json.dump(config, f)
-    with pytest.raises(ValueError, match="rope scaling 'longrope' is not supported"):  # Phi-3's 128k models
+    with pytest.raises(ValueError, match="rope scaling 'dynamic' is not supported"):
         LLM(path, dtype="float32", kv_cache_memory="32MiB")
     config["rope_scaling"] = None
     with open(path + "/config.json", "w") as f:
@@ -194,12 +194,13 @@ def test_gemmas_norms_stay_float32_in_a_bfloat16_model(model_dirs):
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "smollm3", "granite"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "smollm3", "granite", "phi4"])
 def test_steps_of_llamas_kin_run_in_one_c_call(model_dirs, arch):
-    """Where the C kernels load, Gemma's, Gemma 2's, Gemma 3's, SmolLM3's and Granite's steps take
-    the one-call C step (Gemma's GELU gate, sandwich norms, scaled embedding, Gemma 2's
-    soft-capped scores, Gemma 3's windowed layers' own rotary table; SmolLM3's layers without
-    rotary; Granite's scaled residual branches), and match transformers as the op-by-op path does."""
+    """Where the C kernels load, Gemma's, Gemma 2's, Gemma 3's, SmolLM3's, Granite's and
+    Phi-4-mini's steps take the one-call C step (Gemma's GELU gate, sandwich norms, scaled
+    embedding, Gemma 2's soft-capped scores, Gemma 3's windowed layers' own rotary table;
+    SmolLM3's layers without rotary; Granite's scaled residual branches; Phi-4-mini's rotary over
+    part of each head), and match transformers as the op-by-op path does."""
     llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=24)
     runner = llm.engine_core.model_runner
     if runner.c_kernels is None:
@@ -212,11 +213,11 @@ def test_steps_of_llamas_kin_run_in_one_c_call(model_dirs, arch):
     assert calls
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "smollm3", "granite"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "smollm3", "granite", "phi4"])
 def test_llamas_kin_on_the_torch_path_without_the_c_kernels(model_dirs, monkeypatch, arch):
     """Where the C kernels do not load, the decodes' window masks (the runner's, one per window
-    of the model's), the plain product of Gemma 2's capped scores, SmolLM3's unrotated layers and
-    Granite's multipliers match transformers too."""
+    of the model's), the plain product of Gemma 2's capped scores, SmolLM3's unrotated layers,
+    Granite's multipliers and Phi-4-mini's partial rotary match transformers too."""
     from streamserve.worker import model_runner
 
     monkeypatch.setattr(model_runner.cpu_kernels, "load", lambda: None)
@@ -273,3 +274,27 @@ def test_hf_overrides_turn_yarn_on_over_config_json(tmp_path):
     check_parity(llm, shipped, num_prompts=4, new_tokens=12)
     with pytest.raises(TypeError, match="hf_overrides must be dict"):
         LLM(plain, hf_overrides='{"max_position_embeddings": 32}')
+
+
+def test_longrope_runs_its_short_factors_within_the_original_context(model_dirs):
+    """LongRoPE (Phi-3.5-mini's, Phi-4-mini's): the short factors' frequencies and the attention
+    factor sqrt(1 + ln(scale) / ln(original)) on cos and sin, as transformers computes them
+    for sequences within the original context, which becomes the model's context (past it
+    transformers turns to the long factors for the whole sequence); a longer max_model_len is
+    refused. (The tiny Phi-4-mini's greedy parity, partial rotary included, runs in the suite.)"""
+    import torch
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from streamserve.models.layers import rope_attention_factor, rope_inv_freq
+
+    path = model_dirs["phi4"]
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    assert llm.config.model.max_model_len == 128  # the original context, of max_position_embeddings 512
+    arch = llm.engine_core.model_runner.model.arch
+    assert arch.rotated_dims == 12 and arch.head_dim == 16
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](Phi3Config.from_pretrained(path), "cpu")
+    assert torch.equal(rope_inv_freq(12, arch.rope_theta, arch.rope_scaling), inv_freq)
+    assert rope_attention_factor(arch.rope_scaling) == pytest.approx(factor, rel=1e-12) and factor > 1.0
+    with pytest.raises(ValueError, match=r"max_model_len \(256\) is longer than the model's context length \(128\)"):
+        LLM(path, dtype="float32", max_model_len=256)

@@ -13,10 +13,11 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 64}
 
 
+@pytest.mark.parametrize("rotated", [64, 48], ids=["whole", "partial"])  # (Phi-4-mini turns 3/4 of a head)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_rotary_in_place_on_qkv_views(gen, device, dtype):
+def test_rotary_in_place_on_qkv_views(gen, device, dtype, rotated):
     hq, hkv, d = 9, 3, 64
-    rope = RotaryEmbedding(d, max_position=512, theta=500000.0, scaling=LLAMA3)
+    rope = RotaryEmbedding(rotated, max_position=512, theta=500000.0, scaling=LLAMA3)
     rope.build_cache(torch.device(device), dtype)
     positions = torch.tensor([0, 1, 63, 64, 200, 511, 0], device=device)  # last: a padding row
     qkv = randn(gen, len(positions), hq + 2 * hkv, d, dtype=dtype, device=device)
@@ -33,3 +34,4 @@ def test_rotary_in_place_on_qkv_views(gen, device, dtype):
     assert torch.equal(q[0], before[0, :hq])  # position 0 is the identity
     cos, sin = rope.cos_sin(positions)
     assert rel_err(ref_q, apply_rotary(before[:, :hq], cos, sin)) < TOLERANCE[dtype]
+    assert torch.equal(q[..., rotated:], before[:, :hq, rotated:])  # a partial rotary's rest untouched

@@ -56,7 +56,7 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
     rope = cfg.get("rope_parameters") or {}
     writer.add_rope_freq_base(cfg.get("rope_theta") or (rope.get("full_attention") or rope)["rope_theta"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * cfg.get("partial_rotary_factor", 1.0)))
     if arch.startswith("gemma"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
@@ -69,6 +69,13 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
         writer.add_attention_scale(cfg["attention_multiplier"])
         writer.add_logit_scale(cfg["logits_scaling"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if rope.get("rope_type") == "longrope":  # as llama.cpp's converter writes Phi-3.5's and Phi-4-mini's
+        original = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        writer.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(original))))
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if rope.get("rope_type") == "yarn":  # as llama.cpp's converter writes Qwen's
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(rope["factor"])
@@ -387,11 +394,34 @@ def test_a_phi3_gguf_with_its_fused_tensors_matches_transformers(tmp_path):
     greedy_against_transformers(path, llm)
 
 
+def test_a_phi4_mini_gguf_with_longrope_and_a_partial_rotary_matches_transformers(tmp_path):
+    """llama.cpp's phi3 GGUF of a Phi-4-mini: rope.dimension_count under the head size (a partial
+    rotary), LongRoPE's factors as rope_factors_short / rope_factors_long tensors with its
+    original context and attention factor in the metadata: read back as the checkpoint's config
+    (the context the original one), greedy tokens and logprobs as transformers'."""
+    from parity import check_parity
+    from tiny_models import build_model
+
+    hf_dir = build_model(str(tmp_path / "phi4"), "phi4", seed=5)
+    path = str(tmp_path / "phi4.gguf")
+    types = {"self_attn.qkv_proj": ("attn_qkv", Q.F32), "self_attn.o_proj": ("attn_output", Q.F32),
+             "mlp.gate_up_proj": ("ffn_up", Q.F32), "mlp.down_proj": ("ffn_down", Q.F32),
+             "input_layernorm": ("attn_norm", Q.F32), "post_attention_layernorm": ("ffn_norm", Q.F32)}
+    write_gguf(hf_dir, path, types, arch="phi3")
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    converted = json.load(open(os.path.join(llm.config.model.model, "config.json")))
+    shipped = json.load(open(os.path.join(hf_dir, "config.json")))["rope_parameters"]
+    assert converted["partial_rotary_factor"] == 0.75 and llm.config.model.max_model_len == 128
+    assert converted["rope_scaling"]["short_factor"] == pytest.approx(shipped["short_factor"])
+    assert converted["rope_scaling"]["long_factor"] == pytest.approx(shipped["long_factor"])
+    check_parity(llm, hf_dir, num_prompts=5, new_tokens=12)
+
+
 def test_a_phi3_gguf_of_microsofts_kind_keeps_its_window_and_stops_at_its_turns_end(tmp_path):
     """Microsoft's own Phi-3 4k GGUF predates llama.cpp's sliding_window key: its 2047-token
     window is assumed (attention beyond it is what the model never saw); its EOS is
     <|endoftext|> while chat turns end with <|end|>, which generation_config.json lists as an
-    EOS too. A rotary over part of each head is refused."""
+    EOS too. A rotary over part of each head reads as partial_rotary_factor."""
     from types import SimpleNamespace
 
     from streamserve.models.gguf_convert import _write_generation_config, hf_config
@@ -403,8 +433,8 @@ def test_a_phi3_gguf_of_microsofts_kind_keeps_its_window_and_stops_at_its_turns_
     assert config["sliding_window"] == 2047 and config["architectures"] == ["Phi3ForCausalLM"]
     assert hf_config({**meta, "phi3.attention.sliding_window": 262144}, False, torch.bfloat16, 32064)[
         "sliding_window"] == 262144
-    with pytest.raises(ValueError, match="rope.dimension_count 72 rotates part of each head of 96"):
-        hf_config({**meta, "phi3.rope.dimension_count": 72}, False, torch.bfloat16, 32064)
+    assert hf_config({**meta, "phi3.rope.dimension_count": 72}, False, torch.bfloat16, 32064)[
+        "partial_rotary_factor"] == 0.75
     vocab = {"<|endoftext|>": 32000, "<|assistant|>": 32001, "<|end|>": 32007, "<|user|>": 32010}
     _write_generation_config(str(tmp_path), config, meta, SimpleNamespace(get_vocab=lambda: vocab))
     assert json.loads((tmp_path / "generation_config.json").read_text()) == {"eos_token_id": [32000, 32007]}

@@ -1910,7 +1910,7 @@ typedef struct {
     /* Gemma 3's: the norms before and after the MLP (post_norm then norms attention's output
      * before the residual add), and a windowed layer's own rotary table; NULL for Llama's */
     const float *pre_ff_norm, *post_ff_norm; /* [H] */
-    const float *cos_sin;                   /* [max_position, 2, D], in place of the model's */
+    const float *cos_sin;                   /* [max_position, 2, rotary_dim], in place of the model's */
     long no_rope;                           /* q and k go unrotated (SmolLM3's every fourth layer) */
 } StepLayer;
 
@@ -1921,11 +1921,12 @@ typedef struct {
     long kv_half;                           /* whether the caches hold float16 */
     long bf16_dot;                          /* whether the prefill attention takes bfloat16 dot products */
     long gelu;                              /* the MLP's gate: SiLU (0) or GELU's tanh form (1, Gemma's) */
+    long rotary_dim;                        /* the leading dims of each head the rotary turns (even, <= D) */
     float eps, scale;
     float softcap;                          /* the attention scores' soft cap, or 0 (Gemma 2's) */
     float residual_scale;                   /* attention's and the MLP's outputs times this (Granite's; else 1) */
     const float *final_norm;                /* [H] */
-    const float *cos_sin;                   /* [max_position, 2, D]: cos, then sin with its first half negated */
+    const float *cos_sin;                   /* [max_position, 2, rotary_dim]: cos, then sin, its first half negated */
     const StepLayer *layers;
 } StepModel;
 
@@ -1987,10 +1988,11 @@ static int step_gemv(const StepModel *m, const Weight *w, const float *x, float 
     return gemv_any(use->type, x, use->data, y, M, N, K);
 }
 
-/* Neox-style rotary on n heads of D at x: x * cos + rotate_half(x) * sin, with cs = [cos, signed sin]. */
-static void rotate_heads(float *x, long n, long D, const float *cs) {
-    const long half = D / 2;
-    const float *c = cs, *s = cs + D;
+/* Neox-style rotary on the leading R dims of n heads of D at x: x * cos + rotate_half(x) * sin,
+ * with cs = [cos, signed sin] (R each); the rest of each head stays (a partial rotary's). */
+static void rotate_heads(float *x, long n, long D, long R, const float *cs) {
+    const long half = R / 2;
+    const float *c = cs, *s = cs + R;
     for (long h = 0; h < n; h++) {
         float *v = x + h * D;
         for (long d = 0; d < half; d++) {
@@ -2101,7 +2103,8 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
                     rms_norm_f32(row + Hq * D, 0, L->k_norm, row + Hq * D, Hkv, D, m->eps);
                 }
                 if (!L->no_rope)
-                    rotate_heads(row, Hq + Hkv, D, (L->cos_sin ? L->cos_sin : m->cos_sin) + position * 2 * D);
+                    rotate_heads(row, Hq + Hkv, D, m->rotary_dim,
+                                 (L->cos_sin ? L->cos_sin : m->cos_sin) + position * 2 * m->rotary_dim);
                 if (slots[t] >= 0) {
                     store_kv(L->k_cache, slots[t] * kv_row, row + Hq * D, kv_row, m->kv_half);
                     store_kv(L->v_cache, slots[t] * kv_row, row + Hq * D + kv_row, kv_row, m->kv_half);
