@@ -88,6 +88,9 @@ class SamplingParams:
     # the embeddings API's: the request also returns its last prompt token's final hidden
     # state, L2-normalised (vLLM's last-token pooling), from the step that reads that token
     embed: bool = False
+    # with embed, the score API's classifier (classifier_from_token): in place of the embedding,
+    # that token's logits at these token IDs
+    pool_token_ids: Optional[list[int]] = None
     # vLLM's: only these token IDs may be sampled
     allowed_token_ids: Optional[list[int]] = None
     # vLLM's: words never generated. The InputProcessor reads each as tokens (with and without a

@@ -24,7 +24,7 @@ from streamserve.frontend.beam_search import BeamSearch, BeamSearchOutput, BeamS
 from streamserve.heap import collector_paused
 from streamserve.lora.adapter import LoRAAdapter
 from streamserve.lora.request import LoRARequest
-from streamserve.frontend.scoring import cosine_scores, score_pairs
+from streamserve.frontend.scoring import classifier_score, cosine_scores, pair_prompt, score_pairs
 from streamserve.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                  ScoringRequestOutput)
 from streamserve.sampling_params import EMBEDDING, SamplingParams
@@ -143,11 +143,21 @@ class LLM:
         """Each pair's score, the cosine similarity of its texts' embeddings (LLM.embed's), as
         vLLM's LLM.score scores with an embedding model: the one data_1 text against each of
         data_2, or the two lists pairwise (as long as each other). Each distinct text is
-        embedded once."""
+        embedded once. A cross-encoder (config.json's classifier_from_token, Qwen3-Reranker's
+        as vLLM reads it) reads each pair as one prompt and scores its last token's logits
+        (frontend/scoring.py)."""
         texts_1, texts_2 = ([d] if isinstance(d, str) else list(d) for d in (data_1, data_2))
         if not texts_1 or not texts_2 or not all(isinstance(t, str) and t for t in texts_1 + texts_2):
             raise ValueError("LLM.score takes texts: a non-empty string or a list of them on each side")
         pairs = score_pairs(len(texts_1), len(texts_2))
+        classifier = self.input_processor.classifier_token_ids
+        if classifier is not None:
+            params = dataclasses.replace(EMBEDDING, truncate_prompt_tokens=truncate_prompt_tokens,
+                                         pool_token_ids=classifier)
+            prompts = [pair_prompt(self.tokenizer, texts_1[i], texts_2[j]) for i, j in pairs]
+            outs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
+            return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(classifier_score(o.embedding)))
+                    for o in outs]
         distinct = list(dict.fromkeys(texts_1 + texts_2))
         at = {text: k for k, text in enumerate(distinct)}
         embedded = self.embed(distinct, use_tqdm, truncate_prompt_tokens, lora_request)

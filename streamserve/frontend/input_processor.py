@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 from streamserve.config import Config
 from streamserve.engine.request import EngineCoreRequest, validate_prompt
 from streamserve.frontend.renderer import Renderer
+from streamserve.frontend.scoring import classifier_token_ids
 from streamserve.lora.adapter import LoRAAdapter
 from streamserve.sampling_params import ParamError, SamplingParams
 
@@ -28,6 +29,8 @@ class InputProcessor:
         # of every request that does not ignore EOS, as vLLM makes them.
         self.extra_eos_ids = frozenset(t for t in eos_token_ids(config.model.model, config.model.hf_config)
                                        if t != renderer.eos_token_id and 0 <= t < vocab_size)
+        # a cross-encoder's (config.json's classifier_from_token): the score API reads these logits
+        self.classifier_token_ids = classifier_token_ids(renderer.tokenizer, config.model.hf_config, vocab_size)
 
     @property
     def eos_token_ids(self) -> frozenset:

@@ -4,11 +4,18 @@ the server's /v1/score and /v1/rerank.
 A pair's score is the cosine similarity of the two texts' embeddings (their last tokens' final
 hidden states, L2-normalised: frontend's embedding requests), as vLLM scores with an embedding
 model: what Qwen3-Embedding and its kind are trained for. Each distinct text is embedded once.
+
+Where config.json (or --hf-overrides) names `classifier_from_token`, as vLLM's conversion of
+Qwen3-Reranker and its kind reads it, the model is a cross-encoder instead: each pair is one
+prompt (the tokenizer's encoding of the two texts as a pair), and its score is read from the
+logits of its last token: with two tokens ["no", "yes"], sigmoid(yes - no), the second's
+probability between the two; with one, its sigmoid.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -30,3 +37,28 @@ def cosine_scores(vectors: Sequence[Sequence[float]], pairs: list[tuple[int, int
     rows = np.asarray(vectors, dtype=np.float64)
     rows = rows / np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
     return [float(rows[i] @ rows[j]) for i, j in pairs]
+
+
+def classifier_token_ids(tokenizer, hf_config: dict, vocab_size: int) -> Optional[list[int]]:
+    """The IDs of config.json's classifier_from_token (one token or two), or None without it."""
+    tokens = hf_config.get("classifier_from_token")
+    if tokens is None:
+        return None
+    if not isinstance(tokens, list) or not 1 <= len(tokens) <= 2 or not all(isinstance(t, str) for t in tokens):
+        raise ValueError(f"classifier_from_token must list one token or two (['no', 'yes']), got {tokens!r}")
+    vocab = tokenizer.get_vocab()
+    ids = [vocab.get(t) for t in tokens]
+    if any(i is None or not 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"classifier_from_token {tokens!r}: not each a token of the model's vocabulary")
+    return ids
+
+
+def pair_prompt(tokenizer, text_1: str, text_2: str) -> list[int]:
+    """A cross-encoder's prompt for a pair: the tokenizer's encoding of the two as a pair."""
+    return list(tokenizer(text_1, text_pair=text_2)["input_ids"])
+
+
+def classifier_score(logits: Sequence[float]) -> float:
+    """The score of the classifier tokens' logits: sigmoid of the one, or of the second less the first."""
+    x = logits[0] if len(logits) == 1 else logits[1] - logits[0]
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))

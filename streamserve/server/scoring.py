@@ -13,17 +13,22 @@ objects), and returns the documents' `results` best first, each with its index a
 documents, its `relevance_score` and (unless `return_documents` is false) its text; `top_n` > 0
 keeps the first n. Both take vLLM's `truncate_prompt_tokens` and `priority`, and a LoRA
 adapter's name as `model`.
+
+A cross-encoder (config.json's or --hf-overrides' classifier_from_token, as vLLM serves
+Qwen3-Reranker) scores each pair as one prompt instead, from its last token's logits at those
+tokens (frontend/scoring.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any
 
 from aiohttp import web
 
-from streamserve.frontend.scoring import cosine_scores, score_pairs
+from streamserve.frontend.scoring import classifier_score, cosine_scores, pair_prompt, score_pairs
 from streamserve.server.app import CONFIG, ENGINE, json_response, request_priority, read_body, served_adapter
 from streamserve.server.embeddings import embed, embedding_params, prepared
 from streamserve.server.protocol import bad_request
@@ -51,19 +56,27 @@ def _texts(value: Any, param: str, objects: bool = False) -> list[str]:
 async def _similarities(request: web.Request, body: dict[str, Any], texts_1: list[str], texts_2: list[str],
                         pairs: list[tuple[int, int]]) -> tuple[list[float], int, str]:
     """(each pair's score, the tokens read, the model's name) for pairs of (index into texts_1,
-    index into texts_2)."""
+    index into texts_2): their embeddings' cosine, or a cross-encoder's score of each pair read
+    as one prompt."""
     engine, serving = request.app[ENGINE], request.app[CONFIG]
     params, priority = embedding_params(body), request_priority(engine, body)
     lora = served_adapter(request, body.get("model"))
-    distinct = list(dict.fromkeys(texts_1 + texts_2))
-    if len(distinct) > serving.server.max_choices:
-        raise bad_request(f"{len(distinct)} distinct texts: at most {serving.server.max_choices} a request "
-                          "(--max-choices)")
-    at = {text: k for k, text in enumerate(distinct)}
-    prompts = prepared(engine, distinct, params, "text")
+    name = serving.model_name if lora is None else lora.name
+    classifier = engine.input_processor.classifier_token_ids
+    inputs = [pair_prompt(engine.tokenizer, texts_1[i], texts_2[j]) for i, j in pairs] if classifier is not None \
+        else list(dict.fromkeys(texts_1 + texts_2))
+    if len(inputs) > serving.server.max_choices:
+        raise bad_request(f"{len(inputs)} {'pairs' if classifier else 'distinct texts'}: at most "
+                          f"{serving.server.max_choices} a request (--max-choices)")
+    if classifier is not None:
+        params = dataclasses.replace(params, pool_token_ids=classifier)
+    prompts = prepared(engine, inputs, params, "text")
     vectors = await embed(engine, prompts, params, priority, lora)
-    scores = cosine_scores(vectors, [(at[texts_1[i]], at[texts_2[j]]) for i, j in pairs])
-    return scores, sum(len(ids) for _, ids in prompts), serving.model_name if lora is None else lora.name
+    tokens = sum(len(ids) for _, ids in prompts)
+    if classifier is not None:
+        return [classifier_score(v) for v in vectors], tokens, name
+    at = {text: k for k, text in enumerate(inputs)}
+    return cosine_scores(vectors, [(at[texts_1[i]], at[texts_2[j]]) for i, j in pairs]), tokens, name
 
 
 async def create_score(request: web.Request) -> web.Response:

@@ -352,8 +352,8 @@ class ModelRunner:
                 return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
             # the head by the rows sampled: a long prefill chunk still samples one row
             rows = hidden[logits_indices]
-            embeddings = self._embeddings(rows, samplers) if self.num_embedding_requests else None
             logits = self.model.compute_logits(rows, self._reads_copies(len(logits_indices)))
+            embeddings = self._embeddings(rows, logits, samplers) if self.num_embedding_requests else None
             masks = so.allowed_token_masks
             tokens, logprobs = self.sampler(logits, samplers, _row_masks(samplers, masks) if masks else None)
         if so.scheduled_spec_decode_tokens:
@@ -393,14 +393,21 @@ class ModelRunner:
             i += 1 if drafts is None else len(drafts) + 1
         return ModelRunnerOutput(req_ids, sampled, lps)
 
-    def _embeddings(self, rows: torch.Tensor, samplers: list[RequestState]) -> dict[str, list[float]]:
+    def _embeddings(self, rows: torch.Tensor, logits: torch.Tensor, samplers: list[RequestState]
+                    ) -> dict[str, list[float]]:
         """The sampled rows of requests with SamplingParams.embed (a prompt's last token: the
-        first row such a request samples), L2-normalised."""
+        first row such a request samples), L2-normalised; or where the request names
+        pool_token_ids, its logits at those IDs (read before the sampler touches them)."""
         which = [j for j, s in enumerate(samplers) if s.params.embed]
         if not which:
             return {}
-        vectors = torch.nn.functional.normalize(rows[which].float(), dim=-1).cpu()
-        return {samplers[j].req_id: vector.tolist() for j, vector in zip(which, vectors)}
+        pooled = {samplers[j].req_id: logits[j, samplers[j].params.pool_token_ids].float().tolist()
+                  for j in which if samplers[j].params.pool_token_ids}
+        which = [j for j in which if not samplers[j].params.pool_token_ids]
+        if which:
+            vectors = torch.nn.functional.normalize(rows[which].float(), dim=-1).cpu()
+            pooled.update((samplers[j].req_id, vector.tolist()) for j, vector in zip(which, vectors))
+        return pooled
 
     def _prompt_logprobs(self, hidden: torch.Tensor, prompt_rows: list) -> dict[str, tuple[int, list]]:
         """req_id -> (first position, the TokenLogprobs of the prompt tokens those positions

@@ -654,6 +654,52 @@ def test_score_is_the_cosine_of_the_texts_embeddings(llm):
         llm.score("", "hi", use_tqdm=False)
 
 
+def test_a_cross_encoder_scores_each_pair_from_its_last_tokens_logits(llama_dir):
+    """classifier_from_token (config.json's, here through hf_overrides; vLLM's conversion of
+    Qwen3-Reranker): each pair one prompt, the tokenizer's pair encoding, its score sigmoid(l_b -
+    l_a) of the last token's logits at the two tokens (sigmoid(l_a) with one), as transformers
+    computes them; beside requests that generate, which it leaves unchanged. Tokens outside the
+    vocabulary, or three, are refused at start."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    llm = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB",
+              hf_overrides={"classifier_from_token": ["Ġis", "Ġthe"]})
+    tok = llm.get_tokenizer()
+    a, b = tok.convert_tokens_to_ids(["Ġis", "Ġthe"])
+    query, docs = "What is the capital of France?", ["Paris is the capital of France.", "Cats sleep a lot.", "hi"]
+
+    def expected(text_1, text_2, tokens):
+        ids = tok(text_1, text_pair=text_2)["input_ids"]
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].double()
+        x = logits[tokens[0]] if len(tokens) == 1 else logits[tokens[1]] - logits[tokens[0]]
+        return 1 / (1 + math.exp(-float(x))), ids
+
+    scored = llm.score(query, docs, use_tqdm=False)
+    for out, doc in zip(scored, docs):
+        score, ids = expected(query, doc, [a, b])
+        assert out.outputs.score == pytest.approx(score, abs=1e-5) and out.prompt_token_ids == ids
+    assert len({round(o.outputs.score, 6) for o in scored}) == 3
+    pairwise = llm.score(docs[:2], docs[1:], use_tqdm=False)
+    assert [o.outputs.score for o in pairwise] == pytest.approx(
+        [expected(docs[0], docs[1], [a, b])[0], expected(docs[1], docs[2], [a, b])[0]], abs=1e-5)
+    alone = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB")
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    assert [o.outputs[0].token_ids for o in llm.generate(docs, greedy, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in alone.generate(docs, greedy, use_tqdm=False)]
+    one = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB",
+              hf_overrides={"classifier_from_token": ["Ġthe"]})
+    assert one.score(query, docs[0], use_tqdm=False)[0].outputs.score == pytest.approx(
+        expected(query, docs[0], [b])[0], abs=1e-5)
+    for tokens, match in ((["Ġis", "nope-token"], "not each a token"), (["Ġis", "Ġthe", "is"], "one token or two")):
+        with pytest.raises(ValueError, match=match):
+            LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB", hf_overrides={"classifier_from_token": tokens})
+
+
 # -- vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens -----------------------------
 
 

@@ -1089,6 +1089,27 @@ def test_score_and_rerank_are_the_offline_engines(server, offline):
         assert status == (404 if param == "model" else 400) and error["error"]["param"] == param, (body, error)
 
 
+def test_a_cross_encoders_score_and_rerank_are_the_offline_engines(model_dirs):
+    """With classifier_from_token (--hf-overrides here, as vLLM serves Qwen3-Reranker), /v1/score
+    and /v1/rerank score each pair as one prompt, as LLM.score does; usage counts the pairs'
+    tokens."""
+    from live_server import serve_in_thread
+
+    overrides = {"classifier_from_token": ["Ġis", "Ġthe"]}
+    offline = LLM(model_dirs["llama"], dtype="float32", kv_cache_memory="16MiB", hf_overrides=overrides)
+    query, docs = "What is the capital of France?", ["Paris is the capital of France.", "Cats sleep a lot.", "hi"]
+    expected = offline.score(query, docs, use_tqdm=False)
+    scores = [o.outputs.score for o in expected]
+    for live in serve_in_thread(model_dirs["llama"], served_model_name="tiny", hf_overrides=overrides):
+        status, reply = post(live.url + "/v1/score", {"text_1": query, "text_2": docs})
+        assert status == 200 and [d["score"] for d in reply["data"]] == pytest.approx(scores, abs=1e-5)
+        tokens = sum(len(o.prompt_token_ids) for o in expected)
+        assert reply["usage"]["prompt_tokens"] == tokens
+        status, reply = post(live.url + "/v1/rerank", {"query": query, "documents": docs, "top_n": 2})
+        assert status == 200 and reply["usage"] == {"total_tokens": tokens}
+        assert [r["index"] for r in reply["results"]] == sorted(range(3), key=lambda k: -scores[k])[:2]
+
+
 def test_vllms_allowed_token_ids_bad_words_and_truncation_are_served(client, server, offline):
     """allowed_token_ids, bad_words and truncate_prompt_tokens (vLLM's extras) served as LLM.generate
     runs them, in completions and chats; bad values are 400s naming the field."""
