@@ -156,6 +156,42 @@ def _yarn_config(get, context: int) -> dict[str, Any]:
 _ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # LongRoPE's, as llama.cpp keeps them
 
 
+def llama3_scaling(freq_factors: list[float], theta: float, head_dim: int) -> Optional[dict[str, Any]]:
+    """Llama 3.1's rope_scaling (factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings) that divides each rotary frequency by the factor llama.cpp
+    keeps for it in rope_freqs: None where every one is 1. The factors fix only the two
+    wavelengths between which the scaling ramps (original / low, original / high), so low is
+    taken as 1 (Llama's) and high sought among Llama's 4 and a few others, each checked
+    against every factor; a GGUF whose factors no Llama 3 scaling gives is refused."""
+    from streamserve.models.layers import rope_inv_freq
+
+    want = np.asarray(freq_factors, dtype=np.float64)
+    factor = float(want.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    freqs = rope_inv_freq(head_dim, theta, None).double().numpy()
+    x = freqs / (2 * math.pi)  # 1 / wavelength
+    medium = np.flatnonzero((want > 1.0 + 1e-6) & (want < factor * (1 - 1e-6)))
+    for high in (4.0, 2.0, 8.0, 3.0, 16.0, 1.5, 32.0):
+        if medium.size:  # the ramp: (original x - 1) / (high - 1) = (1 / f - 1 / factor) / (1 - 1 / factor)
+            k = medium[0]
+            smooth = (1 / want[k] - 1 / factor) / (1 - 1 / factor)
+            original = (smooth * (high - 1) + 1) / x[k]
+            if abs(original - round(original)) <= 1e-4 * original:  # (the float32 factors' rounding)
+                original = round(original)
+        else:  # no dim on the ramp: any original between the last unscaled and the first scaled
+            unscaled, scaled = x[want <= 1.0 + 1e-6], x[want >= factor * (1 - 1e-6)]
+            if not unscaled.size or not scaled.size:
+                break
+            original = math.sqrt(high / unscaled.min() / scaled.max())
+        rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": high,
+                "original_max_position_embeddings": original}
+        got = freqs / rope_inv_freq(head_dim, theta, rope).double().numpy()
+        if np.allclose(got, want, rtol=1e-4, atol=0):
+            return rope
+    raise ValueError("this GGUF's rope_freqs are no Llama 3 rope scaling that streamserve can reproduce")
+
+
 def _longrope_config(meta: dict[str, Any], factors: dict[str, list[float]], config: dict[str, Any]) -> dict[str, Any]:
     """LongRoPE's rope_scaling (Phi-3's 128k models, Phi-3.5-mini, Phi-4-mini) from the factors
     llama.cpp keeps as tensors, its original context and attention factor from the metadata."""
@@ -261,14 +297,14 @@ def _write_conversion(gguf_path: str, tmp_dir: str, dtype: torch.dtype) -> None:
     reader = gguf.GGUFReader(gguf_path)
     meta = read_metadata(reader)
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError("this GGUF carries rope_freqs (Llama-3.1-style rope scaling), which "
-                         "streamserve does not read from GGUF yet; use the Hugging Face checkpoint")
     embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     config = hf_config(meta, tied="output.weight" not in names, dtype=dtype,
                        vocab_size=None if embedding is None else int(embedding.shape[-1]))
     factors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
-               for t in reader.tensors if t.name in _ROPE_FACTORS}
+               for t in reader.tensors if t.name in _ROPE_FACTORS + ("rope_freqs.weight",)}
+    if "rope_freqs.weight" in factors:
+        config["rope_scaling"] = llama3_scaling(factors.pop("rope_freqs.weight"), config["rope_theta"],
+                                                config["head_dim"])
     if factors:
         config["rope_scaling"] = _longrope_config(meta, factors, config)
     permuted = ARCHS[meta["general.architecture"]][2]
@@ -276,7 +312,7 @@ def _write_conversion(gguf_path: str, tmp_dir: str, dtype: torch.dtype) -> None:
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantizedWeight] = {}
     for t in tqdm(reader.tensors, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor"):
-        if t.name in _ROPE_FACTORS:
+        if t.name in _ROPE_FACTORS + ("rope_freqs.weight",):
             continue  # (in config.json's rope_scaling)
         name = hf_name(t.name, meta["general.architecture"])
 

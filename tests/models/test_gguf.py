@@ -69,6 +69,9 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
         writer.add_attention_scale(cfg["attention_multiplier"])
         writer.add_logit_scale(cfg["logits_scaling"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if (cfg.get("rope_scaling") or rope).get("rope_type") == "llama3":  # llama.cpp's rope_freqs
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(cfg.get("rope_scaling") or rope, head_dim,
+                                                                    rope.get("rope_theta") or cfg.get("rope_theta")))
     if rope.get("rope_type") == "longrope":  # as llama.cpp's converter writes Phi-3.5's and Phi-4-mini's
         original = cfg["original_max_position_embeddings"]
         scale = cfg["max_position_embeddings"] / original
@@ -120,6 +123,26 @@ def write_gguf(hf_dir: str, path: str, types: dict = _NAMES, embedding=Q.F32, ar
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def llama_cpp_rope_freqs(rope: dict, head_dim: int, theta: float) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes as rope_freqs for Llama 3's scaling."""
+    import math
+
+    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    freqs = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 _PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's converter permutes these Q/K rows (its LlamaModel's)
@@ -392,6 +415,33 @@ def test_a_phi3_gguf_with_its_fused_tensors_matches_transformers(tmp_path):
     if runner.c_kernels is not None:
         assert kept["layers.0.self_attn.qkv_proj"] == "q8_0" and kept["layers.1.mlp.gate_up_proj"] == "q4_1"
     greedy_against_transformers(path, llm)
+
+
+def test_a_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path):
+    """Llama 3.1's and 3.2's GGUFs keep their rotary scaling as llama.cpp's rope_freqs (a divisor
+    per frequency), not as keys: read back as the rope_scaling that gives them (they were
+    refused): the tiny Llama's (factor 8 over 64 positions), greedy tokens and logprobs as
+    transformers'; Llama 3.1-8B's and 3.2-1B's exactly; divisors no Llama 3 scaling gives, refused."""
+    from parity import check_parity
+    from streamserve.models.gguf_convert import llama3_scaling
+    from tiny_models import build_model
+
+    hf_dir = build_model(str(tmp_path / "llama"), "llama", seed=7)
+    path = str(tmp_path / "llama.gguf")
+    write_gguf(hf_dir, path, every_matrix(Q.F32))
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    rope = json.load(open(os.path.join(llm.config.model.model, "config.json")))["rope_scaling"]
+    assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
+    check_parity(llm, hf_dir, num_prompts=5, new_tokens=12)
+    for factor in (8.0, 32.0):  # Llama 3.1's, Llama 3.2's
+        shipped = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+        for head_dim in (64, 128):
+            assert llama3_scaling(llama_cpp_rope_freqs(shipped, head_dim, 500000.0).tolist(), 500000.0,
+                                  head_dim) == shipped
+    assert llama3_scaling([1.0] * 32, 500000.0, 64) is None
+    with pytest.raises(ValueError, match="no Llama 3 rope scaling"):
+        llama3_scaling([1.0, 3.0, 1.0, 8.0] * 8, 500000.0, 64)
 
 
 def test_a_phi4_mini_gguf_with_longrope_and_a_partial_rotary_matches_transformers(tmp_path):
