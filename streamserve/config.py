@@ -101,16 +101,6 @@ def sampling_defaults(model_dir: str, setting: str, override: Optional[dict]) ->
     return defaults
 
 
-def merged_over(base: dict, overrides: dict) -> dict:
-    """`base` with `overrides` merged in: where both hold an object under a key, merged the same
-    way; else the override's value."""
-    out = dict(base)
-    for key, value in overrides.items():
-        out[key] = merged_over(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
-            else value
-    return out
-
-
 @dataclass
 class ModelConfig:
     """What model to run and how to read it."""
@@ -141,9 +131,9 @@ class ModelConfig:
                 "in vLLM; vllm: streamserve's own defaults; or a directory holding the "
                 "generation_config.json to read"})
     hf_overrides: Optional[dict] = field(default=None, metadata={
-        "help": "JSON merged over the model's config.json (objects key by key, other values replaced), "
-                "as vLLM's --hf-overrides: e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
-                "\"original_max_position_embeddings\": 32768}}' for Qwen's long contexts"})
+        "help": "JSON whose keys replace config.json's, as vLLM's --hf-overrides: e.g. '{\"rope_scaling\": "
+                "{\"rope_type\": \"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768}}' for "
+                "Qwen's long contexts"})
     override_generation_config: Optional[dict] = field(default=None, metadata={
         "help": "JSON of such defaults over the file's (or over none with --generation-config vllm), "
                 "e.g. '{\"temperature\": 0.5}'"})
@@ -162,7 +152,7 @@ class ModelConfig:
             self.source = self.model or DEFAULT_MODEL
             self.model = resolve_model(self.model, self.gguf_file, convert)
             with open(os.path.join(self.model, "config.json"), encoding="utf-8") as f:
-                self.hf_config = merged_over(json.load(f), self.hf_overrides or {})
+                self.hf_config = {**json.load(f), **(self.hf_overrides or {})}
         self.tokenizer = self.tokenizer or self.model
         if self.chat_template is not None:
             self.chat_template = read_chat_template(self.chat_template)
@@ -409,7 +399,9 @@ class ServerConfig:
                 "/detokenize; not /health, /metrics, /version or the chat page)"})
     max_n: int = field(default=16, metadata={"help": "largest n (samples per request) accepted"})
     max_choices: int = field(default=1024, metadata={
-        "help": "most choices one completions request may ask for: the prompts of its batch times n"})
+        "help": "most choices one completions request may ask for (the prompts of its batch times n), "
+                "and most inputs of one embeddings request, distinct texts of a score or rerank request "
+                "(or its pairs, for a cross-encoder)"})
     max_request_bytes: int = field(default=4 * 1024 * 1024, metadata={
         "help": "largest request body accepted; larger ones get 413 (on /v1/ws, a larger frame "
                 "closes the socket with 1009)"})

@@ -24,7 +24,7 @@ from streamserve.frontend.beam_search import BeamSearch, BeamSearchOutput, BeamS
 from streamserve.heap import collector_paused
 from streamserve.lora.adapter import LoRAAdapter
 from streamserve.lora.request import LoRARequest
-from streamserve.frontend.scoring import classifier_score, cosine_scores, pair_prompt, score_pairs
+from streamserve.frontend.scoring import classifier_score, cosine_scores, pair_prompts, score_pairs
 from streamserve.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                  ScoringRequestOutput)
 from streamserve.sampling_params import EMBEDDING, SamplingParams
@@ -154,7 +154,7 @@ class LLM:
         if classifier is not None:
             params = dataclasses.replace(EMBEDDING, truncate_prompt_tokens=truncate_prompt_tokens,
                                          pool_token_ids=classifier)
-            prompts = [pair_prompt(self.tokenizer, texts_1[i], texts_2[j]) for i, j in pairs]
+            prompts = pair_prompts(self.tokenizer, texts_1, texts_2, pairs)
             outs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
             return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(classifier_score(o.embedding)))
                     for o in outs]

@@ -89,6 +89,11 @@ class InputProcessor:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_prompt(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+        ids = params.pool_token_ids
+        if ids is not None and (not params.embed or not isinstance(ids, (list, tuple)) or not ids or any(
+                not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.vocab_size for i in ids)):
+            raise ParamError(f"pool_token_ids must be token IDs (0 to {self.vocab_size - 1}), with embed",
+                             "pool_token_ids")
 
     def check_priority(self, priority: Any) -> None:
         """A request's priority: an integer, other than 0 only under the priority policy (as in vLLM)."""

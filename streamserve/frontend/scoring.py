@@ -15,7 +15,7 @@ probability between the two; with one, its sigmoid.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -53,12 +53,25 @@ def classifier_token_ids(tokenizer, hf_config: dict, vocab_size: int) -> Optiona
     return ids
 
 
-def pair_prompt(tokenizer, text_1: str, text_2: str) -> list[int]:
-    """A cross-encoder's prompt for a pair: the tokenizer's encoding of the two as a pair."""
-    return list(tokenizer(text_1, text_pair=text_2)["input_ids"])
+def pair_prompts(tokenizer, texts_1: Sequence[str], texts_2: Sequence[str], pairs: list[tuple[int, int]]
+                 ) -> list[list[int]]:
+    """A cross-encoder's prompt for each pair (i, j): the tokenizer's encoding of texts_1[i] and
+    texts_2[j] as a pair, each distinct text tokenized once (a query against a thousand
+    documents is read once, not a thousand times)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # (a tokenizer without a fast backend: pair by pair)
+        return [list(tokenizer(texts_1[i], text_pair=texts_2[j])["input_ids"]) for i, j in pairs]
+    encoded: dict[str, Any] = {}
+
+    def encode(text: str):
+        if text not in encoded:
+            encoded[text] = backend.encode(text, add_special_tokens=False)
+        return encoded[text]
+    return [backend.post_process(encode(texts_1[i]), encode(texts_2[j]), True).ids for i, j in pairs]
 
 
 def classifier_score(logits: Sequence[float]) -> float:
-    """The score of the classifier tokens' logits: sigmoid of the one, or of the second less the first."""
+    """The score of the classifier tokens' logits: sigmoid of the one, or of the second less the
+    first. (The model's logits: after Granite's divisor and Gemma 2's cap, where a model has them.)"""
     x = logits[0] if len(logits) == 1 else logits[1] - logits[0]
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))

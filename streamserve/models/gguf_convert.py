@@ -137,8 +137,9 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype, vocab_size: 
 
 def _yarn_config(get, context: int) -> dict[str, Any]:
     """YaRN's rope_scaling as llama.cpp reads it from a GGUF: the factor, the original context
-    (the file's context where it names none), the betas where given, and its attn_factor, which
-    llama.cpp multiplies into YaRN's own 0.1 ln(factor) + 1."""
+    (the file's context where it names none), the betas where given, and its yarn_attn_factor
+    (Hugging Face's attention_factor) or else its attn_factor, which llama.cpp multiplies into
+    YaRN's own 0.1 ln(factor) + 1."""
     factor = float(get("rope.scaling.factor"))
     rope = {"rope_type": "yarn", "factor": factor,
             "original_max_position_embeddings": get("rope.scaling.original_context_length") or context}
@@ -146,7 +147,9 @@ def _yarn_config(get, context: int) -> dict[str, Any]:
         if get(f"rope.scaling.{key}") is not None:
             rope[name] = get(f"rope.scaling.{key}")
     attn_factor = get("rope.scaling.attn_factor")
-    if attn_factor is not None and attn_factor != 1.0:
+    if get("rope.scaling.yarn_attn_factor") is not None:  # (the Hugging Face config's attention_factor)
+        rope["attention_factor"] = get("rope.scaling.yarn_attn_factor")
+    elif attn_factor is not None and attn_factor != 1.0:
         rope["attention_factor"] = attn_factor * (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
     if get("rope.scaling.yarn_log_multiplier"):
         raise ValueError("GGUF rope.scaling.yarn_log_multiplier (DeepSeek's YaRN) is not supported")

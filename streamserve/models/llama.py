@@ -88,8 +88,7 @@ class LlamaArch:
         elif gemma == 3:
             local_theta = cfg.get("rope_local_base_freq", 10000.0)
             rope_params = {"rope_theta": 1000000.0, **rope_params}  # (Gemma3TextConfig's default)
-        scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in
-                                              (None, "default") else None)
+        scaling = cfg.get("rope_scaling") or (rope_params if rope_kind(rope_params) != "default" else None)
         if rope_kind(scaling) in ("yarn", "longrope"):  # (transformers' defaults: the context the config names)
             scaling = {**scaling, "original_max_position_embeddings": original_context(cfg, scaling)}
         if rope_kind(scaling) == "longrope" and not scaling.get("factor"):  # (its attention factor's)

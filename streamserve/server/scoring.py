@@ -28,10 +28,10 @@ from typing import Any
 
 from aiohttp import web
 
-from streamserve.frontend.scoring import classifier_score, cosine_scores, pair_prompt, score_pairs
+from streamserve.frontend.scoring import classifier_score, cosine_scores, pair_prompts, score_pairs
 from streamserve.server.app import CONFIG, ENGINE, json_response, request_priority, read_body, served_adapter
 from streamserve.server.embeddings import embed, embedding_params, prepared
-from streamserve.server.protocol import bad_request
+from streamserve.server.protocol import APIError, bad_request
 
 
 def _texts(value: Any, param: str, objects: bool = False) -> list[str]:
@@ -54,23 +54,35 @@ def _texts(value: Any, param: str, objects: bool = False) -> list[str]:
 
 
 async def _similarities(request: web.Request, body: dict[str, Any], texts_1: list[str], texts_2: list[str],
-                        pairs: list[tuple[int, int]]) -> tuple[list[float], int, str]:
+                        pairs: list[tuple[int, int]], names: tuple[str, str]) -> tuple[list[float], int, str]:
     """(each pair's score, the tokens read, the model's name) for pairs of (index into texts_1,
     index into texts_2): their embeddings' cosine, or a cross-encoder's score of each pair read
-    as one prompt."""
+    as one prompt. `names`: the body's fields of texts_1 and texts_2, for errors."""
     engine, serving = request.app[ENGINE], request.app[CONFIG]
     params, priority = embedding_params(body), request_priority(engine, body)
     lora = served_adapter(request, body.get("model"))
     name = serving.model_name if lora is None else lora.name
     classifier = engine.input_processor.classifier_token_ids
-    inputs = [pair_prompt(engine.tokenizer, texts_1[i], texts_2[j]) for i, j in pairs] if classifier is not None \
-        else list(dict.fromkeys(texts_1 + texts_2))
-    if len(inputs) > serving.server.max_choices:
-        raise bad_request(f"{len(inputs)} {'pairs' if classifier else 'distinct texts'}: at most "
+    distinct = list(dict.fromkeys(texts_1 + texts_2))
+    count = len(pairs) if classifier is not None else len(distinct)
+    if count > serving.server.max_choices:  # (before any tokenizing)
+        raise bad_request(f"{count} {'pairs' if classifier is not None else 'distinct texts'}: at most "
                           f"{serving.server.max_choices} a request (--max-choices)")
     if classifier is not None:
         params = dataclasses.replace(params, pool_token_ids=classifier)
-    prompts = prepared(engine, inputs, params, "text")
+        inputs = pair_prompts(engine.tokenizer, texts_1, texts_2, pairs)
+        where = [(names[1], j, len(texts_2)) for _, j in pairs]  # (a prompt too long: its document's)
+    else:
+        inputs = distinct
+        first = set(texts_1)
+        where = [(names[0], texts_1.index(t), len(texts_1)) if t in first else (names[1], texts_2.index(t), len(texts_2))
+                 for t in distinct]
+    prompts = []
+    for x, (field, k, of) in zip(inputs, where):
+        try:
+            prompts += prepared(engine, [x], params, field)
+        except APIError as exc:
+            raise bad_request(f"{field} {k}: {exc.message}" if of > 1 else exc.message, exc.param) from None
     vectors = await embed(engine, prompts, params, priority, lora)
     tokens = sum(len(ids) for _, ids in prompts)
     if classifier is not None:
@@ -86,7 +98,7 @@ async def create_score(request: web.Request) -> web.Response:
         pairs = score_pairs(len(texts_1), len(texts_2))
     except ValueError as exc:
         raise bad_request(str(exc), "text_1") from None
-    scores, tokens, model = await _similarities(request, body, texts_1, texts_2, pairs)
+    scores, tokens, model = await _similarities(request, body, texts_1, texts_2, pairs, ("text_1", "text_2"))
     return json_response({
         "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
         "data": [{"index": k, "object": "score", "score": score} for k, score in enumerate(scores)],
@@ -105,8 +117,8 @@ async def create_rerank(request: web.Request) -> web.Response:
     keep = body.get("return_documents", True)
     if not isinstance(keep, bool):
         raise bad_request("'return_documents' must be a boolean", "return_documents")
-    scores, tokens, model = await _similarities(request, body, [query], documents,
-                                                score_pairs(1, len(documents)))
+    scores, tokens, model = await _similarities(request, body, [query], documents, score_pairs(1, len(documents)),
+                                                ("query", "documents"))
     order = sorted(range(len(documents)), key=lambda k: -scores[k])[:top_n or None]
     results = [{"index": k, **({"document": {"text": documents[k]}} if keep else {}), "relevance_score": scores[k]}
                for k in order]

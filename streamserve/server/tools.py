@@ -304,13 +304,12 @@ class ToolCallReader:
         Llama 4's <|python_start|>, Granite's <|tool_call|> or <tool_call>) may be a list of calls:
         held back, to be read whole at the close. Any other is content."""
         if not self._plain:
-            begun = self.text.lstrip()
-            openers = _OPENERS[self.calling.parser]
-            if not begun or any(len(begun) < len(tag) and tag.startswith(begun) for tag in openers):
-                return {}
-            for tag in openers:
-                begun = begun.removeprefix(tag)
-            if begun.lstrip()[:1] in ("[", ""):
+            rest = self.text.lstrip()
+            for tag in _OPENERS[self.calling.parser]:  # each opener in turn, as the close reads them
+                if len(rest) < len(tag) and tag.startswith(rest):
+                    return {}  # nothing yet, or an opener begun: wait
+                rest = rest.removeprefix(tag).lstrip()
+            if rest[:1] in ("[", ""):
                 return {}
             self._plain = True
         content = self._text(self.text[self._read:])
@@ -406,8 +405,8 @@ def _granite_calls(text: str) -> Optional[list[tuple[str, str]]]:
     <tool_call>, or none, as Granite 3's models write them; None for any other reply."""
     body = text.strip()
     for tag in _OPENERS["granite"]:
-        body = body.removeprefix(tag)
-    return _json_array_calls(body.lstrip())
+        body = body.removeprefix(tag).lstrip()
+    return _json_array_calls(body)
 
 
 def _json_array_calls(body: str) -> Optional[list[tuple[str, str]]]:

@@ -695,6 +695,12 @@ def test_a_cross_encoder_scores_each_pair_from_its_last_tokens_logits(llama_dir)
               hf_overrides={"classifier_from_token": ["Ġthe"]})
     assert one.score(query, docs[0], use_tqdm=False)[0].outputs.score == pytest.approx(
         expected(query, docs[0], [b])[0], abs=1e-5)
+    vocab = llm.engine_core.vocab_size
+    for bad in ({"embed": True, "pool_token_ids": [vocab]}, {"embed": True, "pool_token_ids": []},
+                {"pool_token_ids": [a]}):  # out of the vocabulary, none, without embed: refused, the engine unharmed
+        with pytest.raises(ValueError, match="pool_token_ids must be token IDs"):
+            llm.generate(docs[0], SamplingParams(max_tokens=1, **bad), use_tqdm=False)
+    assert llm.score(query, docs[0], use_tqdm=False)[0].outputs.score == pytest.approx(scored[0].outputs.score)
     for tokens, match in ((["Ġis", "nope-token"], "not each a token"), (["Ġis", "Ġthe", "is"], "one token or two")):
         with pytest.raises(ValueError, match=match):
             LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB", hf_overrides={"classifier_from_token": tokens})

@@ -258,9 +258,9 @@ def test_yarn_rope_scaling_matches_transformers(tmp_path, rope):
 
 
 def test_hf_overrides_turn_yarn_on_over_config_json(tmp_path):
-    """vLLM's hf_overrides merged over config.json: YaRN's rope parameters added to a Qwen3's
-    own (their rope_theta kept) run as the checkpoint that ships them does; a value that is no
-    object is refused."""
+    """vLLM's hf_overrides, each key replacing config.json's: YaRN's rope_scaling beside a Qwen3's
+    own rope_parameters (their rope_theta kept) runs as the checkpoint that ships them does; a
+    value that is no object is refused."""
     from tiny_models import build_model
 
     plain = build_model(str(tmp_path / "plain"), "qwen3", seed=4, max_position_embeddings=64,
@@ -268,33 +268,15 @@ def test_hf_overrides_turn_yarn_on_over_config_json(tmp_path):
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     shipped = build_model(str(tmp_path / "yarn"), "qwen3", seed=4, max_position_embeddings=64,
                           rope_parameters={**yarn, "rope_theta": 5000.0})
-    llm = LLM(plain, dtype="float32", kv_cache_memory="32MiB", hf_overrides={"rope_parameters": yarn})
-    assert llm.config.model.hf_config["rope_parameters"] == {**yarn, "rope_theta": 5000.0}
+    llm = LLM(plain, dtype="float32", kv_cache_memory="32MiB", hf_overrides={"rope_scaling": yarn})
+    assert llm.config.model.hf_config["rope_scaling"] == yarn
+    assert llm.config.model.hf_config["rope_parameters"] == {"rope_type": "default", "rope_theta": 5000.0}
     assert llm.config.model.max_model_len == 256
     check_parity(llm, shipped, num_prompts=4, new_tokens=12)
+    old = LLM(plain, dtype="float32", kv_cache_memory="32MiB",  # the older spelling, "type", in either place
+              hf_overrides={"rope_parameters": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                                "rope_theta": 5000.0}})
+    assert old.engine_core.model_runner.model.arch.rope_scaling["factor"] == 4.0
+    check_parity(old, shipped, num_prompts=2, new_tokens=8)
     with pytest.raises(TypeError, match="hf_overrides must be dict"):
         LLM(plain, hf_overrides='{"max_position_embeddings": 32}')
-
-
-def test_longrope_runs_its_short_factors_within_the_original_context(model_dirs):
-    """LongRoPE (Phi-3.5-mini's, Phi-4-mini's): the short factors' frequencies and the attention
-    factor sqrt(1 + ln(scale) / ln(original)) on cos and sin, as transformers computes them
-    for sequences within the original context, which becomes the model's context (past it
-    transformers turns to the long factors for the whole sequence); a longer max_model_len is
-    refused. (The tiny Phi-4-mini's greedy parity, partial rotary included, runs in the suite.)"""
-    import torch
-    from transformers import Phi3Config
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    from streamserve.models.layers import rope_attention_factor, rope_inv_freq
-
-    path = model_dirs["phi4"]
-    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
-    assert llm.config.model.max_model_len == 128  # the original context, of max_position_embeddings 512
-    arch = llm.engine_core.model_runner.model.arch
-    assert arch.rotated_dims == 12 and arch.head_dim == 16
-    inv_freq, factor = ROPE_INIT_FUNCTIONS["longrope"](Phi3Config.from_pretrained(path), "cpu")
-    assert torch.equal(rope_inv_freq(12, arch.rope_theta, arch.rope_scaling), inv_freq)
-    assert rope_attention_factor(arch.rope_scaling) == pytest.approx(factor, rel=1e-12) and factor > 1.0
-    with pytest.raises(ValueError, match=r"max_model_len \(256\) is longer than the model's context length \(128\)"):
-        LLM(path, dtype="float32", max_model_len=256)

@@ -390,6 +390,8 @@ def test_a_gguf_with_yarn_scaling_matches_transformers(tmp_path):
     assert hf_config(meta, tied=True, dtype=torch.float32, vocab_size=100)["rope_scaling"] == {
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512, "beta_fast": 16.0,
         "attention_factor": pytest.approx(0.5 * (0.1 * np.log(4.0) + 1))}
+    assert hf_config({**meta, "qwen2.rope.scaling.yarn_attn_factor": 1.25}, tied=True, dtype=torch.float32,
+                     vocab_size=100)["rope_scaling"]["attention_factor"] == 1.25
     with pytest.raises(ValueError, match="yarn_log_multiplier"):
         hf_config({**meta, "qwen2.rope.scaling.yarn_log_multiplier": 0.1}, tied=True, dtype=torch.float32)
 

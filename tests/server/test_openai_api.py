@@ -880,6 +880,7 @@ GRANITE = [  # (text, content, calls as (name, arguments))
     (' <tool_call>[{"name": "a", "arguments": {"q": "]["}}, {"name": "b", "arguments": "{\\"x\\": 1}"}]\n', None,
      [("a", '{"q": "]["}'), ("b", '{"x": 1}')]),
     ('[{"name": "a", "arguments": {}}]', None, [("a", "{}")]),  # the special token skipped
+    ('<|tool_call|> <tool_call>[{"name": "a", "arguments": {}}]', None, [("a", "{}")]),  # both openers
     ("The weather is fine.", "The weather is fine.", []),
     ("[1] is a reference.", "[1] is a reference.", []),
     ('<|tool_call|>[{"name": "a"}]', '<|tool_call|>[{"name": "a"}]', []),
@@ -1078,7 +1079,9 @@ def test_score_and_rerank_are_the_offline_engines(server, offline):
             ("/v1/score", {"text_1": ["a", "b"], "text_2": ["a", "b", "c"]}, "text_1"),
             ("/v1/score", {"text_1": "a", "text_2": [""]}, "text_2"),
             ("/v1/score", {"text_1": "a", "text_2": [1, 2]}, "text_2"),
-            ("/v1/score", {"text_1": "a", "text_2": "x " * 600}, "text"),
+            ("/v1/score", {"text_1": "a", "text_2": "x " * 600}, "text_2"),
+            ("/v1/rerank", {"query": "x " * 600, "documents": ["a"]}, "query"),
+            ("/v1/rerank", {"query": "a", "documents": [f"b{k}" for k in range(2000)]}, None),  # past --max-choices
             ("/v1/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
             ("/v1/score", {"text_1": "a", "text_2": "b", "model": "nope"}, "model"),
             ("/v1/rerank", {"documents": ["a"]}, "query"), ("/v1/rerank", {"query": "a"}, "documents"),
@@ -1087,6 +1090,8 @@ def test_score_and_rerank_are_the_offline_engines(server, offline):
             ("/v1/rerank", {"query": "a", "documents": ["b"], "return_documents": "no"}, "return_documents")):
         status, error = post(server + path, body)
         assert status == (404 if param == "model" else 400) and error["error"]["param"] == param, (body, error)
+    status, error = post(server + "/v1/score", {"text_1": "a", "text_2": ["b", "x " * 600]})
+    assert status == 400 and error["error"]["message"].startswith("text_2 1: ")
 
 
 def test_a_cross_encoders_score_and_rerank_are_the_offline_engines(model_dirs):
