@@ -6,6 +6,7 @@ output tokens/s for each and the ratio; then a single request decoding 128 token
 
     python scripts/bench_throughput.py                      # random SmolLM2-135M-shaped Llama, bf16
     python scripts/bench_throughput.py --shape gemma3-270m  # random Gemma-3-270M-shaped model, bf16
+    python scripts/bench_throughput.py --shape smollm3-3b --max-model-len 4096  # random SmolLM3-3B-shaped, bf16
     python scripts/bench_throughput.py --model PATH --dtype float32
     python scripts/bench_throughput.py --model smollm2-135m-instruct --num-requests 32
 """
@@ -33,7 +34,14 @@ GEMMA3_270M_SHAPE = dict(hidden_size=640, num_hidden_layers=18, num_attention_he
                          head_dim=256, intermediate_size=2048, vocab_size=262144, max_position_embeddings=32768,
                          query_pre_attn_scalar=256, sliding_window=512, rms_norm_eps=1e-6,
                          tie_word_embeddings=True)
-SHAPES = {"smollm2-135m": ("LlamaConfig", SMOLLM2_SHAPE), "gemma3-270m": ("Gemma3TextConfig", GEMMA3_270M_SHAPE)}
+# HuggingFaceTB/SmolLM3-3B's config.json: 36 layers (every fourth without rotary), 16 query heads on
+# 4 KV heads of 128, a 128256-token tied embedding
+SMOLLM3_3B_SHAPE = dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+                        intermediate_size=11008, vocab_size=128256, max_position_embeddings=65536,
+                        rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                        use_sliding_window=False)
+SHAPES = {"smollm2-135m": ("LlamaConfig", SMOLLM2_SHAPE), "gemma3-270m": ("Gemma3TextConfig", GEMMA3_270M_SHAPE),
+          "smollm3-3b": ("SmolLM3Config", SMOLLM3_3B_SHAPE)}
 
 
 def random_shaped(path: str, shape: str = "smollm2-135m") -> str:
@@ -119,6 +127,8 @@ def main() -> None:
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES),
                         help="the random model's shape, without --model")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="the engine's (a long-context shape's own may not fit the KV cache)")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512))
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 256))
@@ -137,7 +147,7 @@ def main() -> None:
     model_path = args.model or random_shaped(
         os.path.join(os.path.expanduser("~/.cache/streamserve"), f"bench-{args.shape.split('-')[0]}-shape"),
         args.shape)
-    llm = LLM(model_path, dtype=args.dtype)
+    llm = LLM(model_path, dtype=args.dtype, max_model_len=args.max_model_len)
     model_path = llm.config.model.model  # an alias or a GGUF resolves to a model directory
     vocab = llm.engine_core.vocab_size
     workload = make_workload(args.num_requests, vocab, args.seed, *args.prompt_len, *args.output_len)
