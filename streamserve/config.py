@@ -118,7 +118,8 @@ class ModelConfig:
     dtype: str = field(default="auto", metadata={
         "help": "weight and activation dtype: auto (the checkpoint's), float32, bfloat16, float16"})
     max_model_len: Optional[int] = field(default=None, metadata={
-        "help": "longest sequence (prompt + output) in tokens (default: the model's context length)"})
+        "help": "longest sequence (prompt + output) in tokens (default: the model's context length, or "
+                "what the KV cache holds where that is less)"})
     seed: int = field(default=0, metadata={
         "help": "seed of the random generator shared by the requests without a seed of their own "
                 "(each such request still samples differently)"})
@@ -144,6 +145,8 @@ class ModelConfig:
     torch_dtype: Any = field(default=None, repr=False, metadata={"cli": False})
     # SamplingParams keyword -> value: the defaults generation_config gives (sampling_defaults)
     sampling_defaults: Any = field(default=None, repr=False, metadata={"cli": False})
+    # whether max_model_len is the model's own context (none was given): the KV cache may then cut it
+    max_model_len_derived: bool = field(default=False, repr=False, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         if self.hf_config is None:
@@ -162,7 +165,7 @@ class ModelConfig:
         self.sampling_defaults = sampling_defaults(self.model, self.generation_config, self.override_generation_config)
         limit = self.derived_max_model_len()
         if self.max_model_len is None:
-            self.max_model_len = limit
+            self.max_model_len, self.max_model_len_derived = limit, True
         elif self.max_model_len < 1:
             raise ValueError(f"max_model_len ({self.max_model_len}) must be >= 1")
         elif self.max_model_len > limit:

@@ -331,10 +331,23 @@ def test_kv_cache_dtype_setting(model_dir):
         Config.from_kwargs(model=model_dir, kv_cache_dtype="fp8")
 
 
-def test_kv_cache_smaller_than_one_sequence(llama_dir):
-    # The tiny Llama's KV is 8 KiB per 16-token block: 64 KiB is 128 tokens, under 512.
+def test_kv_cache_smaller_than_one_sequence(llama_dir, caplog):
+    """The tiny Llama's KV is 8 KiB per 16-token block: 64 KiB is 128 tokens, under its context
+    of 512. Asked for 512, that is refused; left to the model, max_model_len becomes the 128 the
+    cache holds (a 128k-context model on a CPU's cache starts), said in the log, and a
+    128-token sequence runs."""
+    from streamserve import SamplingParams
+
     with pytest.raises(ValueError, match="fewer than one sequence of max_model_len"):
-        LLM(llama_dir, dtype="float32", kv_cache_memory="64KiB", device="cpu")
+        LLM(llama_dir, dtype="float32", kv_cache_memory="64KiB", max_model_len=512, device="cpu")
+    with caplog.at_level("WARNING"):
+        llm = LLM(llama_dir, dtype="float32", kv_cache_memory="64KiB", device="cpu")
+    assert llm.config.model.max_model_len == 128 and llm.engine_core.model_runner.num_blocks == 8
+    assert "does not fit the KV cache of 128 tokens: serving max_model_len 128" in caplog.text
+    out = llm.generate([[5] * 100], SamplingParams(max_tokens=28, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 28
+    with pytest.raises(ValueError, match="the prompt has 129 tokens, but max_model_len is 128"):
+        llm.generate([[5] * 129], SamplingParams(max_tokens=1), use_tqdm=False)
     llm = LLM(llama_dir, dtype="float32", kv_cache_memory="64KiB", max_model_len=128, device="cpu")
     assert llm.engine_core.model_runner.num_blocks == 8
 
