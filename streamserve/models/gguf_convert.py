@@ -33,6 +33,7 @@ ARCHS = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
     "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
     "phi3": ("Phi3ForCausalLM", "phi3", False),
+    "gemma": ("GemmaForCausalLM", "gemma", False),
     "gemma2": ("Gemma2ForCausalLM", "gemma2", False),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
     "granite": ("GraniteForCausalLM", "granite", True),
@@ -41,7 +42,8 @@ ARCHS = {
 # Granite's multipliers, as llama.cpp's converter names them -> config.json's
 _GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
                    "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
-_GEMMA = {"gemma2", "gemma3"}  # (transformers reads no Gemma 1 GGUF's tokenizer)
+_GEMMA = {"gemma", "gemma2", "gemma3"}
+_SANDWICHED = {"gemma2", "gemma3"}  # the Gemmas with norms around attention's output and the MLP
 # Gemma 2's and 3's norms around attention and the MLP: ffn_norm is the MLP's input norm there
 _SANDWICH_TENSORS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                      "post_ffw_norm": "post_feedforward_layernorm"}
@@ -217,8 +219,10 @@ def _gemma_config(arch: str, get, config: dict[str, Any]) -> dict[str, Any]:
     caps; Gemma 3's windowed layers' rotary base (10000 where the file keeps none); the
     windowed layers, where the file lists them."""
     extra: dict[str, Any] = {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh"}
-    big = config["num_hidden_layers"] == (46 if arch == "gemma2" else 62)
-    extra["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
+    if arch in _SANDWICHED:  # (Gemma 1's scale is sqrt(head_dim) alone)
+        big = config["num_hidden_layers"] == (46 if arch == "gemma2" else 62)
+        extra["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if big
+                                          else config["head_dim"])
     if arch == "gemma2":
         extra["attn_logit_softcapping"] = get("attn_logit_softcapping", 50.0)
         extra["final_logit_softcapping"] = get("final_logit_softcapping", 30.0)
@@ -242,7 +246,7 @@ def hf_name(name: str, arch: str = "llama") -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and arch in _GEMMA and parts[2] in _SANDWICH_TENSORS:
+    if parts[0] == "blk" and len(parts) == 4 and arch in _SANDWICHED and parts[2] in _SANDWICH_TENSORS:
         return f"model.layers.{parts[1]}.{_SANDWICH_TENSORS[parts[2]]}.{parts[3]}"
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
         piece = "mlp.gate_up_proj" if parts[2] == "ffn_up" and arch in _FUSED_UP else _LAYER_TENSORS[parts[2]]

@@ -504,31 +504,35 @@ _SANDWICH_NAMES = {"post_attention_layernorm": ("post_attention_norm", Q.F32),
                    "post_feedforward_layernorm": ("post_ffw_norm", Q.F32)}
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
 def test_a_gemma_gguf_is_the_checkpoint_it_was_written_from(tmp_path, arch):
-    """llama.cpp's gemma2 and gemma3 GGUFs (float32 here, so the conversion is exact):
-    norms stored as 1 + w, Gemma 2's and 3's four norms a layer (ffn_norm the MLP's input
-    norm), q/k norms, Gemma 2's caps, their windows (every other layer, every sixth full) and
-    the attention scale llama.cpp assumes (the head size): greedy tokens and logprobs as
-    transformers' on the Hugging Face checkpoint."""
+    """llama.cpp's gemma, gemma2 and gemma3 GGUFs (float32 here, so the conversion is exact):
+    norms stored as 1 + w, Gemma 1's two norms a layer (ffn_norm the MLP's input norm, as
+    Llama's), Gemma 2's and 3's four (ffn_norm then the second of them), q/k norms, Gemma 2's
+    caps, their windows (every other layer, every sixth full) and the attention scale llama.cpp
+    assumes (the head size): greedy tokens and logprobs as transformers' on the Hugging Face
+    checkpoint. (Gemma 1's tokenizer comes through the fallback reader: transformers reads no
+    gemma GGUF config.)"""
     from parity import check_parity
     from tiny_models import build_model
 
-    overrides = {"gemma2": {"query_pre_attn_scalar": 16},
+    overrides = {"gemma": {}, "gemma2": {"query_pre_attn_scalar": 16},
                  "gemma3": {"query_pre_attn_scalar": 16, "num_hidden_layers": 6, "layer_types": None,
                             "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                 "full_attention": {"rope_type": "default", "rope_theta": 1e6}}}}
     hf_dir = build_model(str(tmp_path / arch), arch, seed=3, **overrides[arch])
-    names = dict(_GEMMA_NAMES, **_SANDWICH_NAMES)
+    names = dict(_GEMMA_NAMES, **(_SANDWICH_NAMES if arch != "gemma" else
+                                  {"post_attention_layernorm": ("ffn_norm", Q.F32)}))
     if arch == "gemma3":
         names.update({"self_attn.q_norm": ("attn_q_norm", Q.F32), "self_attn.k_norm": ("attn_k_norm", Q.F32)})
     path = str(tmp_path / f"{arch}.gguf")
-    write_gguf(hf_dir, path, names, arch=arch, sliding_window=16)
+    write_gguf(hf_dir, path, names, arch=arch, sliding_window=0 if arch == "gemma" else 16)
     llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
     converted = json.load(open(os.path.join(llm.config.model.model, "config.json")))
-    assert converted["architectures"] == [{"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]]
+    assert converted["architectures"] == [{"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                                           "gemma3": "Gemma3ForCausalLM"}[arch]]
     windows = llm.engine_core.model_runner.model.arch.layer_windows
-    assert windows == {"gemma2": (16, 0, 16), "gemma3": (16,) * 5 + (0,)}[arch]
+    assert windows == {"gemma": (), "gemma2": (16, 0, 16), "gemma3": (16,) * 5 + (0,)}[arch]
     check_parity(llm, hf_dir, num_prompts=5, new_tokens=12)
 
 
