@@ -24,7 +24,8 @@ from streamserve.frontend.beam_search import BeamSearch, BeamSearchOutput, BeamS
 from streamserve.heap import collector_paused
 from streamserve.lora.adapter import LoRAAdapter
 from streamserve.lora.request import LoRARequest
-from streamserve.frontend.scoring import classifier_score, cosine_scores, pair_prompts, score_pairs
+from streamserve.frontend.scoring import (classifier_score, cosine_scores, cut, matryoshka_check, pair_prompts,
+                                          score_pairs)
 from streamserve.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                  ScoringRequestOutput)
 from streamserve.sampling_params import EMBEDDING, SamplingParams
@@ -127,14 +128,18 @@ class LLM:
 
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], use_tqdm: bool = True,
               truncate_prompt_tokens: Optional[int] = None,
-              lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None
-              ) -> list[EmbeddingRequestOutput]:
+              lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+              dimensions: Optional[int] = None) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding: its last token's final hidden state, L2-normalised (vLLM's
         LLM.embed with last-token pooling, which decoder embedding models such as
         Qwen3-Embedding are trained for); truncate_prompt_tokens k: of its last k tokens
-        (-1: max_model_len); lora_request: as generate's."""
+        (-1: max_model_len); lora_request: as generate's; dimensions n: the first n values,
+        normalised again, for a model trained for that (vLLM's PoolingParams.dimensions:
+        config.json's is_matryoshka or matryoshka_dimensions)."""
+        if dimensions is not None:
+            matryoshka_check(self.config.model.hf_config, dimensions)
         params = dataclasses.replace(EMBEDDING, truncate_prompt_tokens=truncate_prompt_tokens)
-        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.embedding))
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(cut(o.embedding, dimensions)))
                 for o in self.generate(prompts, params, use_tqdm, lora_request=lora_request)]
 
     def score(self, data_1: Union[str, Sequence[str]], data_2: Union[str, Sequence[str]], use_tqdm: bool = True,

@@ -75,3 +75,26 @@ def classifier_score(logits: Sequence[float]) -> float:
     first. (The model's logits: after Granite's divisor and Gemma 2's cap, where a model has them.)"""
     x = logits[0] if len(logits) == 1 else logits[1] - logits[0]
     return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def matryoshka_check(hf_config: dict, dimensions) -> None:
+    """Raise ValueError unless `dimensions` is a size the model's embeddings may be cut to: its
+    config.json (or --hf-overrides) says it was trained so (is_matryoshka, or the
+    matryoshka_dimensions it lists), as vLLM requires (cutting another model's vector loses
+    what it meant)."""
+    if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1:
+        raise ValueError(f"dimensions must be an integer >= 1, got {dimensions!r}")
+    listed = hf_config.get("matryoshka_dimensions")
+    if not hf_config.get("is_matryoshka") and not listed:
+        raise ValueError("this model was not trained for shorter embeddings (no is_matryoshka or "
+                         "matryoshka_dimensions in its config.json; --hf-overrides can say so)")
+    if listed and dimensions not in listed:
+        raise ValueError(f"this model's embeddings may be cut to {listed} dimensions, not {dimensions}")
+
+
+def cut(vector: Sequence[float], dimensions: Optional[int]) -> list[float]:
+    """The vector's first `dimensions` values, L2-normalised again (all of it where None)."""
+    if dimensions is None or dimensions >= len(vector):
+        return list(vector)
+    head = np.asarray(vector[:dimensions], dtype=np.float64)
+    return (head / max(float(np.linalg.norm(head)), 1e-12)).tolist()

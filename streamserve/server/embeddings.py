@@ -6,7 +6,9 @@ final hidden state, L2-normalised, as vLLM pools decoder models (what Qwen3-Embe
 its kind are trained for; any model served gets the same pooling). The inputs of one call
 run at once, batched by the scheduler with everything else. `encoding_format` "float" (the
 default) or "base64" (little-endian float32, what the openai client asks for); `dimensions`
-is refused (the model's own size only).
+cuts each vector to its first n values, normalised again, where the model was trained for it
+(config.json's is_matryoshka or matryoshka_dimensions, as vLLM requires; Qwen3-Embedding is
+trained so, and --hf-overrides '{"is_matryoshka": true}' says it where config.json does not).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Optional
 import numpy as np
 from aiohttp import web
 
+from streamserve.frontend.scoring import cut, matryoshka_check
 from streamserve.sampling_params import EMBEDDING, ParamError, SamplingParams
 from streamserve.server import protocol
 from streamserve.server.app import CONFIG, ENGINE, json_response, merged, read_body, request_priority, served_adapter
@@ -79,12 +82,16 @@ async def create_embeddings(request: web.Request) -> web.Response:
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise bad_request("'encoding_format' must be 'float' or 'base64'", "encoding_format")
-    if body.get("dimensions") is not None:
-        raise bad_request("'dimensions' is not supported: embeddings have the model's own size", "dimensions")
+    dimensions = body.get("dimensions")
+    if dimensions is not None:
+        try:
+            matryoshka_check(engine.config.model.hf_config, dimensions)
+        except ValueError as exc:
+            raise bad_request(f"'dimensions': {exc}", "dimensions") from None
     params, priority = embedding_params(body), request_priority(engine, body)
     lora = served_adapter(request, body.get("model"))
     prompts = _inputs(body, engine, serving.server.max_choices, params)
-    vectors = await embed(engine, prompts, params, priority, lora)
+    vectors = [cut(v, dimensions) for v in await embed(engine, prompts, params, priority, lora)]
     data = [{"object": "embedding", "index": i,
              "embedding": vector if fmt == "float" else
              base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode()}

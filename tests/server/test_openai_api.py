@@ -1027,7 +1027,7 @@ def test_embeddings_are_the_offline_engines(client, server, offline):
     assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(
         len(offline.get_tokenizer().encode(t)) for t in texts)
     for body, param in (({"input": []}, "input"), ({"input": ""}, "input"), ({"input": [[10 ** 6]]}, "input"),
-                        ({"input": "x " * 600}, "input"), ({"input": "x", "dimensions": 8}, "dimensions"),
+                        ({"input": "x " * 600}, "input"), ({"input": "x", "dimensions": 8}, "dimensions"),  # (no MRL)
                         ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
                         ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
                         ({"input": "x", "truncate_prompt_tokens": "8"}, "truncate_prompt_tokens"),
@@ -1042,6 +1042,32 @@ def test_embeddings_are_the_offline_engines(client, server, offline):
         assert reply.usage.prompt_tokens == kept
         assert reply.data[0].embedding == pytest.approx(
             offline.embed([long[-kept:]], use_tqdm=False)[0].outputs.embedding, abs=1e-5)
+
+
+def test_matryoshka_dimensions_cut_the_embeddings(model_dirs):
+    """dimensions (OpenAI's; vLLM's for matryoshka models): where config.json (here
+    --hf-overrides) says the model was trained for it, each vector's first n values, normalised
+    again, as LLM.embed(dimensions=n) gives them; a size matryoshka_dimensions does not list, or
+    none that is a positive integer, is a 400."""
+    import numpy as np
+
+    from live_server import serve_in_thread
+
+    overrides = {"is_matryoshka": True, "matryoshka_dimensions": [16, 32]}
+    offline = LLM(model_dirs["llama"], dtype="float32", kv_cache_memory="16MiB", hf_overrides=overrides)
+    full = offline.embed(["hello world"], use_tqdm=False)[0].outputs.embedding
+    cut = offline.embed(["hello world"], use_tqdm=False, dimensions=16)[0].outputs.embedding
+    head = np.asarray(full[:16])
+    assert len(full) == 64 and cut == pytest.approx((head / np.linalg.norm(head)).tolist(), abs=1e-6)
+    with pytest.raises(ValueError, match=r"may be cut to \[16, 32\] dimensions, not 8"):
+        offline.embed(["hi"], use_tqdm=False, dimensions=8)
+    for live in serve_in_thread(model_dirs["llama"], served_model_name="tiny", hf_overrides=overrides):
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.embeddings.create(model="tiny", input="hello world", dimensions=16)
+        assert reply.data[0].embedding == pytest.approx(cut, abs=1e-5)
+        for bad in (8, 0, "16", True):
+            status, error = post(live.url + "/v1/embeddings", {"input": "x", "dimensions": bad})
+            assert status == 400 and error["error"]["param"] == "dimensions", (bad, error)
 
 
 def test_score_and_rerank_are_the_offline_engines(server, offline):
