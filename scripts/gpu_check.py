@@ -18,8 +18,9 @@ seconds, and the decode section's engines and batch sizes stop DECODE_RESERVE se
      and with enforce_eager, with n-gram speculative decoding (its steps of guesses run
      eagerly beside the graphs), and with every other prompt of a batch through a random LoRA
      adapter (against the model with it merged into its weights); then tiny Gemma 2, Gemma 3,
-     SmolLM3, Granite and Phi-4-mini models (sliding windows, soft-capped scores, their own rotary,
-     a layer without rotary, Granite's multipliers, a partial rotary) with graphs;
+     SmolLM3, Granite, Phi-4-mini and OLMo 2 models (sliding windows, soft-capped scores, their own
+     rotary, a layer without rotary, Granite's multipliers, a partial rotary, OLMo 2's norms) with
+     graphs;
   5. decode throughput of a Llama-3.2-1B-shaped model (random weights, bfloat16) at
      batch 1, 8, 64, 256, graphs (first: the figures the targets need) then eager, each mode
      failing on its own (the tokens a timed step made, checked against the batch: every request
@@ -258,15 +259,15 @@ def parity(report: Report, device: torch.device, work: str, smoke: bool) -> None
 def kin_parity(report: Report, device: torch.device, work: str, smoke: bool) -> None:
     """Llama's kin on the graphs engine: tiny Gemma 2 (every other layer windowed to 16 keys,
     soft-capped scores and logits), Gemma 3 (windows with their own rotary base, q/k norms,
-    sandwich norms), SmolLM3 (a layer without rotary), Granite (its multipliers) and Phi-4-mini
-    (a rotary over part of each head), on prompts longer than the window: transformers' greedy
-    tokens."""
+    sandwich norms), SmolLM3 (a layer without rotary), Granite (its multipliers), Phi-4-mini
+    (a rotary over part of each head) and OLMo 2 (norms after attention and the MLP, q and k
+    normed over all heads), on prompts longer than the window: transformers' greedy tokens."""
     from tiny_models import build_model
 
     new_tokens = 8 if smoke else 24
     for arch, what in (("gemma2", "windows of 16, capped scores"), ("gemma3", "windows of 16, own rotary"),
                        ("smollm3", "a layer without rotary"), ("granite", "scaled residuals and logits"),
-                       ("phi4", "a rotary over 3/4 of each head")):
+                       ("phi4", "a rotary over 3/4 of each head"), ("olmo2", "norms after, q/k normed whole")):
         model_dir = build_model(os.path.join(work, f"tiny-{arch}"), arch, seed=0)
         expected = hf_greedy(model_dir, device, PARITY_PROMPTS, new_tokens)
         try:

@@ -661,6 +661,8 @@ class StepForward:
     def unsupported(model, kv_caches: list[torch.Tensor]) -> Optional[str]:
         """Why `model` with these caches cannot take the C step, or None when it can."""
         arch = model.arch
+        if arch.post_norms or arch.qk_norm_whole:
+            return "OLMo 2's norms (of attention's and the MLP's outputs; of q and k over all heads)"
         if arch.hidden_act not in ("silu", "gelu_tanh"):
             return f"its MLP is gated by {arch.hidden_act}"
         if not fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim) or arch.head_dim % 2:

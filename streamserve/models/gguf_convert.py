@@ -38,12 +38,14 @@ ARCHS = {
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text", False),
     "granite": ("GraniteForCausalLM", "granite", True),
     "smollm3": ("SmolLM3ForCausalLM", "smollm3", True),  # (every fourth layer unrotated: both assume it)
+    "olmo2": ("Olmo2ForCausalLM", "olmo2", False),
 }
 # Granite's multipliers, as llama.cpp's converter names them -> config.json's
 _GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
                    "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
 _GEMMA = {"gemma", "gemma2", "gemma3"}
 _SANDWICHED = {"gemma2", "gemma3"}  # the Gemmas with norms around attention's output and the MLP
+_POST_NORMED = _SANDWICHED | {"olmo2"}  # the architectures whose post_attention_norm / post_ffw_norm are those
 # Gemma 2's and 3's norms around attention and the MLP: ffn_norm is the MLP's input norm there
 _SANDWICH_TENSORS = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                      "post_ffw_norm": "post_feedforward_layernorm"}
@@ -246,7 +248,7 @@ def hf_name(name: str, arch: str = "llama") -> str:
     if name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[name]
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and arch in _SANDWICHED and parts[2] in _SANDWICH_TENSORS:
+    if parts[0] == "blk" and len(parts) == 4 and arch in _POST_NORMED and parts[2] in _SANDWICH_TENSORS:
         return f"model.layers.{parts[1]}.{_SANDWICH_TENSORS[parts[2]]}.{parts[3]}"
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_TENSORS:
         piece = "mlp.gate_up_proj" if parts[2] == "ffn_up" and arch in _FUSED_UP else _LAYER_TENSORS[parts[2]]

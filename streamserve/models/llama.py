@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1-3, SmolLM3, Granite) as one module, for a flat token batch.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1-3, SmolLM3, Granite, OLMo 2) as one
+module, for a flat token batch.
 
 Inputs are one flat batch of tokens from many requests (no padding between
 them). Attention is whatever callable the runner passes in for the step: it
@@ -15,7 +16,8 @@ Gemma 2 and 3 add a norm after attention and around the MLP (`sandwich_norms`), 
 attention scale, sliding-window layers (`layer_windows`, Gemma 3's with their own rotary base),
 and Gemma 2 tanh soft-caps its attention scores and final logits. SmolLM3 leaves every fourth
 layer's q and k unrotated (`rotary_layers`); Granite multiplies its embedding, its attention
-scores and its residual branches by constants, and divides its logits by one.
+scores and its residual branches by constants, and divides its logits by one. OLMo 2 norms
+attention's and the MLP's outputs rather than their inputs, and q and k over all heads at once.
 """
 
 from __future__ import annotations
@@ -70,15 +72,19 @@ class LlamaArch:
     residual_scale: float = 1.0  # attention's and the MLP's outputs times this as they join the residual (Granite)
     logits_scaling: float = 1.0  # the logits divided by this (Granite)
     rotary_dim: int = 0  # the leading dims of each head the rotary turns, or 0 for all (Phi-4-mini's 3/4)
+    qk_norm_whole: bool = False  # q and k each normed over all their heads at once, not head by head (OLMo 2)
+    post_norms: bool = False  # norms after attention and the MLP, none before (OLMo 2)
 
     @classmethod
     def from_hf_config(cls, cfg: dict, qkv_bias: bool = False, qk_norm: bool = False, gemma: int = 0,
-                       windowed: Union[bool, str] = True, nope: bool = False, granite: bool = False) -> "LlamaArch":
+                       windowed: Union[bool, str] = True, nope: bool = False, granite: bool = False,
+                       olmo2: bool = False) -> "LlamaArch":
         """`gemma`: the Gemma generation (1-3) the checkpoint is, else 0; `windowed`: whether the
         architecture reads config.json's sliding_window (False: ignores it; "opt_in": only with
         use_sliding_window, as Qwen's); `nope`: some layers rotate nothing (SmolLM3's
         no_rope_layers); `granite`: Granite's multipliers of the embedding, the attention scores
-        and the residual branches, and its logits' divisor."""
+        and the residual branches, and its logits' divisor; `olmo2`: OLMo 2's norms (q and k
+        normed whole; attention's and the MLP's outputs normed, their inputs not)."""
         heads = cfg["num_attention_heads"]
         rope_params = cfg.get("rope_parameters") or {}
         local_theta = None
@@ -128,7 +134,9 @@ class LlamaArch:
             max_position=context_length(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias or bool(cfg.get("attention_bias", False)),
-            qk_norm=qk_norm,
+            qk_norm=qk_norm or olmo2,
+            qk_norm_whole=olmo2,
+            post_norms=olmo2,
             o_bias=bool(cfg.get("attention_bias", False)) and not qkv_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             hidden_act=ACTIVATIONS.get(act, act),
@@ -253,8 +261,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = arch.num_kv_heads * arch.head_dim
         self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.qk_norm_whole = arch.qk_norm_whole  # (OLMo 2's: over [T, H * D], before the heads part)
+        q_width, k_width = (self.q_size, self.kv_size) if arch.qk_norm_whole else (arch.head_dim, arch.head_dim)
+        self.q_norm = RMSNorm(q_width, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(k_width, arch.rms_norm_eps) if arch.qk_norm else None
         # a windowed layer of Gemma 3 rotates by its own base (ForwardContext.rotate_local)
         self.local_rope = arch.local_rope_theta is not None and arch.window(layer_idx) > 0
         self.rotates = arch.rotates(layer_idx)  # (SmolLM3's every fourth layer does not)
@@ -265,7 +275,10 @@ class LlamaAttention(nn.Module):
         # q and k side by side as [T, Hq + Hkv, D]: normed and rotated in one go.
         qk = qkv[:, :self.q_size + self.kv_size].view(-1, heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.qk_norm_whole:
+            q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), 1).view(-1, heads, self.head_dim)
+        elif self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), 1)
         if self.rotates:
             qk = (ctx.rotate_local if self.local_rope else ctx.rotate)(qk, self.num_heads)
@@ -291,13 +304,15 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(arch, layer_idx)
         self.mlp = LlamaMLP(arch)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # OLMo 2 norms no input: attention's and the MLP's outputs are normed before their adds
+        self.input_layernorm = None if arch.post_norms else RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         # Gemma 2 and 3: attention's output is normed before the residual add, and the MLP's
         # input and output each (post_attention_layernorm is then the first of those three)
         self.pre_feedforward_layernorm = self.post_feedforward_layernorm = None
         if arch.sandwich_norms:
             self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        if arch.sandwich_norms or arch.post_norms:
             self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.residual_scale = arch.residual_scale  # (Granite's residual_multiplier)
 
@@ -307,6 +322,10 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext):
         """(hidden, residual) -> the next layer's: the residual stream is their sum."""
+        if self.input_layernorm is None:  # OLMo 2: x + norm(attention(x)), then + norm(mlp(that))
+            x = hidden if residual is None else hidden + residual
+            x = x + self.post_attention_layernorm(self.self_attn(x, ctx))
+            return self.post_feedforward_layernorm(self.mlp(x, ctx)), x
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)

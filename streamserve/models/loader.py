@@ -67,7 +67,7 @@ def load_model(model_config: ModelConfig, device: torch.device,
     model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
                                                device=device))
     model.tie_weights()
-    if model.arch.norm_offset:  # Gemma's norms scale by 1 + w in float32 (transformers' do): kept so
+    if model.arch.norm_offset or model.arch.post_norms:  # Gemma's and OLMo 2's norms scale in float32
         for norm in model.modules():
             if isinstance(norm, RMSNorm):
                 norm.weight.data = norm.weight.data.float()

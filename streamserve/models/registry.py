@@ -8,7 +8,7 @@ from streamserve.models.llama import ACTIVATIONS, LlamaArch, LlamaForCausalLM
 # architecture name in config.json -> how it differs from Llama (LlamaArch.from_hf_config's
 # keywords): q/k/v projections with a bias, per-head q/k RMSNorm, Gemma's generation, whether
 # config.json's sliding_window is read (transformers' Llama ignores it, Qwen's and SmolLM3's read
-# it only with use_sliding_window), SmolLM3's layers without rotary, Granite's multipliers
+# it only with use_sliding_window), SmolLM3's layers without rotary, Granite's multipliers, OLMo 2's norms
 _ARCHITECTURES = {
     "LlamaForCausalLM": dict(windowed=False),
     "MistralForCausalLM": dict(),
@@ -20,6 +20,7 @@ _ARCHITECTURES = {
     "Gemma3ForCausalLM": dict(qk_norm=True, gemma=3),  # the text-only checkpoints (270M, 1B)
     "SmolLM3ForCausalLM": dict(windowed="opt_in", nope=True),
     "GraniteForCausalLM": dict(windowed=False, granite=True),  # Granite 3's dense models
+    "Olmo2ForCausalLM": dict(windowed=False, olmo2=True),
 }
 
 

@@ -157,6 +157,19 @@ def test_rotaries_the_kernels_do_not_compute_are_refused(tmp_path):
         LLM(path, dtype="float32", kv_cache_memory="32MiB")
 
 
+def test_olmo2_runs_op_by_op_where_the_c_step_cannot(model_dirs):
+    """OLMo 2's norms (after attention and the MLP; q and k over all heads) are not in the C
+    step: its steps run op by op (with the C kernels' norms where those load), as transformers'
+    (the suite's parity tests), and the runner says why."""
+    llm = LLM(model_dirs["olmo2"], dtype="float32", kv_cache_memory="16MiB")
+    runner = llm.engine_core.model_runner
+    assert runner.c_step is None
+    from streamserve.models import cpu_kernels
+    assert "OLMo 2's norms" in cpu_kernels.StepForward.unsupported(runner.model, runner.kv_caches)
+    layer = runner.model.layers[0]
+    assert layer.input_layernorm is None and layer.self_attn.q_norm.weight.shape == (64,)
+
+
 def test_a_tied_checkpoint_with_its_own_head_reads_that_head(tmp_path):
     """tie_word_embeddings, but the checkpoint stores an lm_head.weight of its own: read
     untied, as transformers 5 does (the embedding used to serve as the head regardless)."""
@@ -213,11 +226,11 @@ def test_steps_of_llamas_kin_run_in_one_c_call(model_dirs, arch):
     assert calls
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "smollm3", "granite", "phi4"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "smollm3", "granite", "phi4", "olmo2"])
 def test_llamas_kin_on_the_torch_path_without_the_c_kernels(model_dirs, monkeypatch, arch):
     """Where the C kernels do not load, the decodes' window masks (the runner's, one per window
     of the model's), the plain product of Gemma 2's capped scores, SmolLM3's unrotated layers,
-    Granite's multipliers and Phi-4-mini's partial rotary match transformers too."""
+    Granite's multipliers, Phi-4-mini's partial rotary and OLMo 2's norms match transformers too."""
     from streamserve.worker import model_runner
 
     monkeypatch.setattr(model_runner.cpu_kernels, "load", lambda: None)

@@ -536,6 +536,27 @@ def test_a_gemma_gguf_is_the_checkpoint_it_was_written_from(tmp_path, arch):
     check_parity(llm, hf_dir, num_prompts=5, new_tokens=12)
 
 
+def test_an_olmo2_gguf_is_the_checkpoint_it_was_written_from(tmp_path):
+    """llama.cpp's olmo2 GGUF: no norms before attention and the MLP, post_attention_norm and
+    post_ffw_norm after them, q and k norms over all heads; Q and K not permuted; its tokenizer
+    through the fallback reader (transformers reads no olmo2 GGUF config): greedy tokens and
+    logprobs as transformers' on the Hugging Face checkpoint."""
+    from parity import check_parity
+    from tiny_models import build_model
+
+    hf_dir = build_model(str(tmp_path / "olmo2"), "olmo2", seed=3, tie_word_embeddings=True)  # (no Q8_0 head)
+    names = {piece: entry for piece, entry in every_matrix(Q.F32).items() if "layernorm" not in piece}
+    names.update({"self_attn.q_norm": ("attn_q_norm", Q.F32), "self_attn.k_norm": ("attn_k_norm", Q.F32),
+                  "post_attention_layernorm": ("post_attention_norm", Q.F32),
+                  "post_feedforward_layernorm": ("post_ffw_norm", Q.F32)})
+    path = str(tmp_path / "olmo2.gguf")
+    write_gguf(hf_dir, path, names, arch="olmo2")
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    converted = json.load(open(os.path.join(llm.config.model.model, "config.json")))
+    assert converted["architectures"] == ["Olmo2ForCausalLM"]
+    check_parity(llm, hf_dir, num_prompts=5, new_tokens=12)
+
+
 @pytest.mark.parametrize("arch", ["granite", "smollm3"])
 def test_granite_and_smollm3_ggufs_are_the_checkpoints_they_were_written_from(tmp_path, arch):
     """llama.cpp's granite GGUF (its multipliers as embedding_scale, residual_scale,
