@@ -40,8 +40,13 @@ SMOLLM3_3B_SHAPE = dict(hidden_size=2048, num_hidden_layers=36, num_attention_he
                         intermediate_size=11008, vocab_size=128256, max_position_embeddings=65536,
                         rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
                         use_sliding_window=False)
+# allenai/OLMo-2-0425-1B's config.json: 16 layers of 16 heads of 128 (no GQA), norms after attention
+# and the MLP, a 100352-token untied head
+OLMO2_1B_SHAPE = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                      intermediate_size=8192, vocab_size=100352, max_position_embeddings=4096, rope_theta=500000.0,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False)
 SHAPES = {"smollm2-135m": ("LlamaConfig", SMOLLM2_SHAPE), "gemma3-270m": ("Gemma3TextConfig", GEMMA3_270M_SHAPE),
-          "smollm3-3b": ("SmolLM3Config", SMOLLM3_3B_SHAPE)}
+          "smollm3-3b": ("SmolLM3Config", SMOLLM3_3B_SHAPE), "olmo2-1b": ("Olmo2Config", OLMO2_1B_SHAPE)}
 
 
 def random_shaped(path: str, shape: str = "smollm2-135m") -> str:

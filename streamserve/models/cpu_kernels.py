@@ -528,7 +528,8 @@ class _StepLayer(ctypes.Structure):
 class _StepModel(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_long) for name in (
         "num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "head_dim", "block_size",
-        "max_position", "num_slots", "quant_max_tokens", "kv_half", "bf16_dot", "gelu", "rotary_dim")]
+        "max_position", "num_slots", "quant_max_tokens", "kv_half", "bf16_dot", "gelu", "rotary_dim",
+        "post_norms", "qk_norm_whole")]
         + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("softcap", ctypes.c_float),
            ("residual_scale", ctypes.c_float),
            ("final_norm", ctypes.c_void_p),
@@ -594,7 +595,8 @@ class StepForward:
             entry.post_ff_norm = ptr(getattr(layer.post_feedforward_layernorm, "weight", None))
             entry.cos_sin = ptr(model.rotary_local.cos_sin_cache if attn.local_rope else None)
             entry.no_rope = not attn.rotates
-            entry.input_norm, entry.post_norm = ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight)
+            entry.input_norm = ptr(getattr(layer.input_layernorm, "weight", None))  # (none: OLMo 2's)
+            entry.post_norm = ptr(layer.post_attention_layernorm.weight)
             entry.qkv, entry.o = weights(attn.qkv_proj), weights(attn.o_proj)
             entry.gate_up, entry.down = weights(layer.mlp.gate_up_proj), weights(layer.mlp.down_proj)
             entry.qkv_bias = ptr(attn.qkv_proj.bias)
@@ -608,7 +610,8 @@ class StepForward:
             block_size=kv_caches[0].shape[2], max_position=model.rotary.cos_sin_cache.shape[0],
             num_slots=kv_caches[0].shape[1] * kv_caches[0].shape[2],
             quant_max_tokens=quant_max_tokens, kv_half=kv_caches[0].dtype == torch.float16, bf16_dot=bf16_dot,
-            gelu=arch.hidden_act == "gelu_tanh", rotary_dim=arch.rotated_dims,
+            gelu=arch.hidden_act == "gelu_tanh", rotary_dim=arch.rotated_dims, post_norms=arch.post_norms,
+            qk_norm_whole=arch.qk_norm_whole,
             eps=arch.rms_norm_eps, scale=arch.scale, softcap=arch.attn_softcap or 0.0,
             residual_scale=arch.residual_scale, final_norm=ptr(model.norm.weight),
             cos_sin=ptr(model.rotary.cos_sin_cache), layers=layers)
@@ -661,8 +664,6 @@ class StepForward:
     def unsupported(model, kv_caches: list[torch.Tensor]) -> Optional[str]:
         """Why `model` with these caches cannot take the C step, or None when it can."""
         arch = model.arch
-        if arch.post_norms or arch.qk_norm_whole:
-            return "OLMo 2's norms (of attention's and the MLP's outputs; of q and k over all heads)"
         if arch.hidden_act not in ("silu", "gelu_tanh"):
             return f"its MLP is gated by {arch.hidden_act}"
         if not fits_decode_attention(arch.num_heads, arch.num_kv_heads, arch.head_dim) or arch.head_dim % 2:

@@ -157,19 +157,6 @@ def test_rotaries_the_kernels_do_not_compute_are_refused(tmp_path):
         LLM(path, dtype="float32", kv_cache_memory="32MiB")
 
 
-def test_olmo2_runs_op_by_op_where_the_c_step_cannot(model_dirs):
-    """OLMo 2's norms (after attention and the MLP; q and k over all heads) are not in the C
-    step: its steps run op by op (with the C kernels' norms where those load), as transformers'
-    (the suite's parity tests), and the runner says why."""
-    llm = LLM(model_dirs["olmo2"], dtype="float32", kv_cache_memory="16MiB")
-    runner = llm.engine_core.model_runner
-    assert runner.c_step is None
-    from streamserve.models import cpu_kernels
-    assert "OLMo 2's norms" in cpu_kernels.StepForward.unsupported(runner.model, runner.kv_caches)
-    layer = runner.model.layers[0]
-    assert layer.input_layernorm is None and layer.self_attn.q_norm.weight.shape == (64,)
-
-
 def test_a_tied_checkpoint_with_its_own_head_reads_that_head(tmp_path):
     """tie_word_embeddings, but the checkpoint stores an lm_head.weight of its own: read
     untied, as transformers 5 does (the embedding used to serve as the head regardless)."""
@@ -207,13 +194,14 @@ def test_gemmas_norms_stay_float32_in_a_bfloat16_model(model_dirs):
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "smollm3", "granite", "phi4"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "smollm3", "granite", "phi4", "olmo2"])
 def test_steps_of_llamas_kin_run_in_one_c_call(model_dirs, arch):
-    """Where the C kernels load, Gemma's, Gemma 2's, Gemma 3's, SmolLM3's, Granite's and
-    Phi-4-mini's steps take the one-call C step (Gemma's GELU gate, sandwich norms, scaled
+    """Where the C kernels load, Gemma's, Gemma 2's, Gemma 3's, SmolLM3's, Granite's, Phi-4-mini's
+    and OLMo 2's steps take the one-call C step (Gemma's GELU gate, sandwich norms, scaled
     embedding, Gemma 2's soft-capped scores, Gemma 3's windowed layers' own rotary table;
     SmolLM3's layers without rotary; Granite's scaled residual branches; Phi-4-mini's rotary over
-    part of each head), and match transformers as the op-by-op path does."""
+    part of each head; OLMo 2's norms after attention and the MLP and of q and k over all heads),
+    and match transformers as the op-by-op path does."""
     llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=24)
     runner = llm.engine_core.model_runner
     if runner.c_kernels is None:

@@ -1901,7 +1901,7 @@ typedef struct {
 /* Each linear layer's weight for steps of more than quant_max_tokens tokens ([0]) and its
  * GGUF blocks for steps of at most that many ([1], data NULL where it has none). */
 typedef struct {
-    const float *input_norm, *post_norm;    /* [H] */
+    const float *input_norm, *post_norm;    /* [H] (input_norm NULL for OLMo 2) */
     Weight qkv[2], o[2], gate_up[2], down[2]; /* [N, K] */
     const float *qkv_bias;                  /* [Hq * D + 2 * Hkv * D] or NULL (Qwen2 has one) */
     const float *q_norm, *k_norm;           /* [D] or NULL (Qwen3's per-head RMSNorm) */
@@ -1922,6 +1922,8 @@ typedef struct {
     long bf16_dot;                          /* whether the prefill attention takes bfloat16 dot products */
     long gelu;                              /* the MLP's gate: SiLU (0) or GELU's tanh form (1, Gemma's) */
     long rotary_dim;                        /* the leading dims of each head the rotary turns (even, <= D) */
+    long post_norms;                        /* OLMo 2's: no input norms, attention's output normed before its add */
+    long qk_norm_whole;                     /* OLMo 2's: q and k each normed over all their heads at once */
     float eps, scale;
     float softcap;                          /* the attention scores' soft cap, or 0 (Gemma 2's) */
     float residual_scale;                   /* attention's and the MLP's outputs times this (Granite's; else 1) */
@@ -2045,6 +2047,11 @@ static void store_kv(void *cache, long i, const float *x, long n, long half) {
     for (; e < n; e++) c[e] = _cvtss_sh(x[e] > 65504.0f ? 65504.0f : x[e] < -65504.0f ? -65504.0f : x[e], 0);
 }
 
+/* residual += hidden; x = residual (n values). */
+static void add_and_copy(const float *hidden, float *residual, float *x, long n) {
+    for (long i = 0; i < n; i++) x[i] = residual[i] += hidden[i];
+}
+
 /* x[0 .. n - 1] *= scale, unless scale is 1. */
 static void scale_rows(float *x, long n, float scale) {
     if (scale != 1.0f)
@@ -2090,7 +2097,10 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
     for (long i = 0; i < B * H; i++) residual[i] = 0.0f;  /* the first layer adds the embeddings to it */
     for (long l = 0; l < m->num_layers; l++) {
         const StepLayer *L = m->layers + l;
-        rms_norm_f32(hidden, residual, L->input_norm, x, B, H, m->eps);  /* residual += mlp out */
+        if (m->post_norms)  /* OLMo 2's: the residual stream itself goes in */
+            add_and_copy(hidden, residual, x, B * H);
+        else
+            rms_norm_f32(hidden, residual, L->input_norm, x, B, H, m->eps);  /* residual += mlp out */
         if (step_gemv(m, L->qkv, x, qkv, B, QKV, H) || (lora && lora_add(lora, l, 0, x, qkv, QKV, H))) return -5;
         for (long s = 0; s < S; s++)
             for (long t = query_start_loc[s]; t < query_start_loc[s + 1]; t++) {
@@ -2098,9 +2108,10 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
                 float *row = qkv + t * QKV;
                 if (L->qkv_bias)
                     for (long i = 0; i < QKV; i++) row[i] += L->qkv_bias[i];
-                if (L->q_norm && L->k_norm) {
-                    rms_norm_f32(row, 0, L->q_norm, row, Hq, D, m->eps);
-                    rms_norm_f32(row + Hq * D, 0, L->k_norm, row + Hq * D, Hkv, D, m->eps);
+                if (L->q_norm && L->k_norm) {  /* per head (Qwen3's), or over all heads (OLMo 2's) */
+                    const long qn = m->qk_norm_whole ? 1 : Hq, kn = m->qk_norm_whole ? 1 : Hkv;
+                    rms_norm_f32(row, 0, L->q_norm, row, qn, Hq * D / qn, m->eps);
+                    rms_norm_f32(row + Hq * D, 0, L->k_norm, row + Hq * D, kn, Hkv * D / kn, m->eps);
                 }
                 if (!L->no_rope)
                     rotate_heads(row, Hq + Hkv, D, m->rotary_dim,
@@ -2120,7 +2131,10 @@ int step_forward_f32(const StepModel *m, float *hidden, const int64_t *slots, co
         if (step_gemv(m, L->o, attn, hidden, B, H, Hq * D) || (lora && lora_add(lora, l, 1, attn, hidden, H, Hq * D)))
             return -5;
         scale_rows(hidden, B * H, m->residual_scale);
-        if (L->pre_ff_norm) {  /* Gemma's: attention's output normed, added, normed again */
+        if (m->post_norms) {  /* OLMo 2's: attention's output normed, added; the stream goes on in */
+            rms_norm_f32(hidden, 0, L->post_norm, hidden, B, H, m->eps);
+            add_and_copy(hidden, residual, x, B * H);
+        } else if (L->pre_ff_norm) {  /* Gemma's: attention's output normed, added, normed again */
             rms_norm_f32(hidden, 0, L->post_norm, hidden, B, H, m->eps);
             rms_norm_f32(hidden, residual, L->pre_ff_norm, x, B, H, m->eps);
         } else {
