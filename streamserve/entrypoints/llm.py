@@ -129,13 +129,16 @@ class LLM:
     def embed(self, prompts: Union[PromptType, Sequence[PromptType]], use_tqdm: bool = True,
               truncate_prompt_tokens: Optional[int] = None,
               lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
-              dimensions: Optional[int] = None) -> list[EmbeddingRequestOutput]:
+              dimensions: Optional[int] = None, pooling_params: Any = None) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding: its last token's final hidden state, L2-normalised (vLLM's
         LLM.embed with last-token pooling, which decoder embedding models such as
         Qwen3-Embedding are trained for); truncate_prompt_tokens k: of its last k tokens
         (-1: max_model_len); lora_request: as generate's; dimensions n: the first n values,
-        normalised again, for a model trained for that (vLLM's PoolingParams.dimensions:
-        config.json's is_matryoshka or matryoshka_dimensions)."""
+        normalised again, for a model trained for that (config.json's is_matryoshka or
+        matryoshka_dimensions); pooling_params: vLLM's PoolingParams (or any object with a
+        `dimensions`), whose dimensions are read the same way."""
+        if dimensions is None and pooling_params is not None:
+            dimensions = getattr(pooling_params, "dimensions", None)
         if dimensions is not None:
             matryoshka_check(self.config.model.hf_config, dimensions)
         params = dataclasses.replace(EMBEDDING, truncate_prompt_tokens=truncate_prompt_tokens)

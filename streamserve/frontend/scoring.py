@@ -15,6 +15,7 @@ probability between the two; with one, its sigmoid.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -82,7 +83,7 @@ def matryoshka_check(hf_config: dict, dimensions) -> None:
     config.json (or --hf-overrides) says it was trained so (is_matryoshka, or the
     matryoshka_dimensions it lists), as vLLM requires (cutting another model's vector loses
     what it meant)."""
-    if not isinstance(dimensions, int) or isinstance(dimensions, bool) or dimensions < 1:
+    if not isinstance(dimensions, numbers.Integral) or isinstance(dimensions, bool) or dimensions < 1:
         raise ValueError(f"dimensions must be an integer >= 1, got {dimensions!r}")
     listed = hf_config.get("matryoshka_dimensions")
     if not hf_config.get("is_matryoshka") and not listed:
@@ -94,6 +95,7 @@ def matryoshka_check(hf_config: dict, dimensions) -> None:
 
 def cut(vector: Sequence[float], dimensions: Optional[int]) -> list[float]:
     """The vector's first `dimensions` values, L2-normalised again (all of it where None)."""
+    dimensions = None if dimensions is None else int(dimensions)
     if dimensions is None or dimensions >= len(vector):
         return list(vector)
     head = np.asarray(vector[:dimensions], dtype=np.float64)

@@ -126,6 +126,9 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype, vocab_size: 
         window = 2047  # the 4k models' own, in files written before llama.cpp stored it (Microsoft's)
     if window:  # (a Phi-3's layers attend within it; transformers' Llama, as llama.cpp's, ignores it)
         config["sliding_window"] = window
+    if arch == "olmo2" and (get("attention.sliding_window") or get("attention.sliding_window_pattern")):
+        # (llama.cpp writes OLMo 3 as olmo2, with windowed layers of their own rotary)
+        raise ValueError("this olmo2 GGUF has sliding-window layers (an OLMo 3), which streamserve does not run")
     rotary = get("rope.dimension_count")
     if rotary and rotary != config["head_dim"]:  # (Phi-4-mini's turns 3/4 of each head)
         config["partial_rotary_factor"] = rotary / config["head_dim"]
@@ -173,9 +176,12 @@ def llama3_scaling(freq_factors: list[float], theta: float, head_dim: int) -> Op
     from streamserve.models.layers import rope_inv_freq
 
     want = np.asarray(freq_factors, dtype=np.float64)
-    factor = float(want.max())
-    if factor <= 1.0 + 1e-6:
+    if want.shape != (head_dim // 2,):
+        raise ValueError(f"this GGUF's rope_freqs hold {want.size} factors, its heads of {head_dim} turn "
+                         f"{head_dim // 2} frequencies")
+    if np.allclose(want, 1.0):
         return None
+    factor = float(want.max())
     freqs = rope_inv_freq(head_dim, theta, None).double().numpy()
     x = freqs / (2 * math.pi)  # 1 / wavelength
     medium = np.flatnonzero((want > 1.0 + 1e-6) & (want < factor * (1 - 1e-6)))

@@ -261,10 +261,11 @@ class ModelRunner:
         max_len = self.config.model.max_model_len
         if num_blocks * self.block_size < max_len and self.config.model.max_model_len_derived and num_blocks:
             # the model's own context, which no one asked for, does not fit: serve what does
+            more = ("more blocks with --num-gpu-blocks-override" if cache.num_gpu_blocks_override is not None
+                    else "more memory with --kv-cache-memory / --gpu-memory-utilization")
             logger.warning("the model's context of %d tokens does not fit the KV cache of %d tokens: serving "
-                           "max_model_len %d (give the cache more memory with --kv-cache-memory / "
-                           "--gpu-memory-utilization, or set --max-model-len)", max_len,
-                           num_blocks * self.block_size, num_blocks * self.block_size)
+                           "max_model_len %d (give the cache %s, or set --max-model-len)", max_len,
+                           num_blocks * self.block_size, num_blocks * self.block_size, more)
             self.config.model.max_model_len = max_len = num_blocks * self.block_size
         if num_blocks * self.block_size < max_len:
             raise ValueError(

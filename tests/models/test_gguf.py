@@ -442,8 +442,11 @@ def test_a_llama3_gguf_with_rope_freqs_matches_transformers(tmp_path):
             assert llama3_scaling(llama_cpp_rope_freqs(shipped, head_dim, 500000.0).tolist(), 500000.0,
                                   head_dim) == shipped
     assert llama3_scaling([1.0] * 32, 500000.0, 64) is None
-    with pytest.raises(ValueError, match="no Llama 3 rope scaling"):
-        llama3_scaling([1.0, 3.0, 1.0, 8.0] * 8, 500000.0, 64)
+    for bad in ([1.0, 3.0, 1.0, 8.0] * 8, [0.5] * 32, [1.0] * 16 + [0.25] * 16):  # (divisors under 1 too)
+        with pytest.raises(ValueError, match="no Llama 3 rope scaling"):
+            llama3_scaling(bad, 500000.0, 64)
+    with pytest.raises(ValueError, match="rope_freqs hold 24 factors, its heads of 64 turn 32"):
+        llama3_scaling([1.0] * 24, 500000.0, 64)
 
 
 def test_a_phi4_mini_gguf_with_longrope_and_a_partial_rotary_matches_transformers(tmp_path):
@@ -554,6 +557,11 @@ def test_an_olmo2_gguf_is_the_checkpoint_it_was_written_from(tmp_path):
     llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
     converted = json.load(open(os.path.join(llm.config.model.model, "config.json")))
     assert converted["architectures"] == ["Olmo2ForCausalLM"]
+    from streamserve.models.gguf_convert import hf_config  # llama.cpp writes OLMo 3 as olmo2, windowed: refused
+    meta = {"general.architecture": "olmo2", "olmo2.attention.head_count": 4, "olmo2.embedding_length": 64,
+            "olmo2.attention.sliding_window": 4096}
+    with pytest.raises(ValueError, match="an OLMo 3"):
+        hf_config(meta, tied=True, dtype=torch.float32, vocab_size=100)
     check_parity(llm, hf_dir, num_prompts=5, new_tokens=12)
 
 

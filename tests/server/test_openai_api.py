@@ -1061,6 +1061,10 @@ def test_matryoshka_dimensions_cut_the_embeddings(model_dirs):
     assert len(full) == 64 and cut == pytest.approx((head / np.linalg.norm(head)).tolist(), abs=1e-6)
     with pytest.raises(ValueError, match=r"may be cut to \[16, 32\] dimensions, not 8"):
         offline.embed(["hi"], use_tqdm=False, dimensions=8)
+    from types import SimpleNamespace  # vLLM's PoolingParams(dimensions=16), and numpy's integers
+
+    for given in ({"pooling_params": SimpleNamespace(dimensions=16)}, {"dimensions": np.int64(16)}):
+        assert offline.embed(["hello world"], use_tqdm=False, **given)[0].outputs.embedding == cut
     for live in serve_in_thread(model_dirs["llama"], served_model_name="tiny", hf_overrides=overrides):
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0)
         reply = client.embeddings.create(model="tiny", input="hello world", dimensions=16)
