@@ -24,8 +24,8 @@ from streamserve.frontend.beam_search import BeamSearch, BeamSearchOutput, BeamS
 from streamserve.heap import collector_paused
 from streamserve.lora.adapter import LoRAAdapter
 from streamserve.lora.request import LoRARequest
-from streamserve.frontend.scoring import (classifier_score, cosine_scores, cut, matryoshka_check, pair_prompts,
-                                          score_pairs)
+from streamserve.frontend.scoring import (classifier_score, cosine_scores, cut, distinct_pairs, matryoshka_check,
+                                          pair_prompts, score_pairs)
 from streamserve.outputs import (EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput,
                                  ScoringRequestOutput)
 from streamserve.sampling_params import EMBEDDING, SamplingParams
@@ -166,10 +166,8 @@ class LLM:
             outs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
             return [ScoringRequestOutput(o.request_id, o.prompt_token_ids, ScoringOutput(classifier_score(o.embedding)))
                     for o in outs]
-        distinct = list(dict.fromkeys(texts_1 + texts_2))
-        at = {text: k for k, text in enumerate(distinct)}
+        distinct, pairs = distinct_pairs(texts_1, texts_2, pairs)
         embedded = self.embed(distinct, use_tqdm, truncate_prompt_tokens, lora_request)
-        pairs = [(at[texts_1[i]], at[texts_2[j]]) for i, j in pairs]
         scores = cosine_scores([e.outputs.embedding for e in embedded], pairs)
         return [ScoringRequestOutput(f"{embedded[i].request_id}_{embedded[j].request_id}",
                                      embedded[i].prompt_token_ids + embedded[j].prompt_token_ids, ScoringOutput(score))

@@ -33,6 +33,15 @@ def score_pairs(num_1: int, num_2: int) -> list[tuple[int, int]]:
     return [(i, i) for i in range(num_1)]
 
 
+def distinct_pairs(texts_1: Sequence[str], texts_2: Sequence[str], pairs: list[tuple[int, int]]
+                   ) -> tuple[list[str], list[tuple[int, int]]]:
+    """(each distinct text once, in order; each pair as indices into those): what an embedding
+    score embeds, and which of its vectors each pair compares."""
+    distinct = list(dict.fromkeys([*texts_1, *texts_2]))
+    at = {text: k for k, text in enumerate(distinct)}
+    return distinct, [(at[texts_1[i]], at[texts_2[j]]) for i, j in pairs]
+
+
 def cosine_scores(vectors: Sequence[Sequence[float]], pairs: list[tuple[int, int]]) -> list[float]:
     """The cosine similarity of vectors[i] and vectors[j] for each (i, j)."""
     rows = np.asarray(vectors, dtype=np.float64)
@@ -93,10 +102,10 @@ def matryoshka_check(hf_config: dict, dimensions) -> None:
         raise ValueError(f"this model's embeddings may be cut to {listed} dimensions, not {dimensions}")
 
 
-def cut(vector: Sequence[float], dimensions: Optional[int]) -> list[float]:
-    """The vector's first `dimensions` values, L2-normalised again (all of it where None)."""
-    dimensions = None if dimensions is None else int(dimensions)
-    if dimensions is None or dimensions >= len(vector):
-        return list(vector)
+def cut(vector: list[float], dimensions: Optional[int]) -> list[float]:
+    """The vector's first `dimensions` values, L2-normalised again (the vector itself where None)."""
+    if dimensions is None or int(dimensions) >= len(vector):
+        return vector
+    dimensions = int(dimensions)
     head = np.asarray(vector[:dimensions], dtype=np.float64)
     return (head / max(float(np.linalg.norm(head)), 1e-12)).tolist()

@@ -164,6 +164,7 @@ def _yarn_config(get, context: int) -> dict[str, Any]:
 
 
 _ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # LongRoPE's, as llama.cpp keeps them
+_ROPE_TENSORS = _ROPE_FACTORS + ("rope_freqs.weight",)  # (Llama 3's): read into config.json's rope_scaling
 
 
 def llama3_scaling(freq_factors: list[float], theta: float, head_dim: int) -> Optional[dict[str, Any]]:
@@ -316,7 +317,7 @@ def _write_conversion(gguf_path: str, tmp_dir: str, dtype: torch.dtype) -> None:
     config = hf_config(meta, tied="output.weight" not in names, dtype=dtype,
                        vocab_size=None if embedding is None else int(embedding.shape[-1]))
     factors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1).tolist()
-               for t in reader.tensors if t.name in _ROPE_FACTORS + ("rope_freqs.weight",)}
+               for t in reader.tensors if t.name in _ROPE_TENSORS}
     if "rope_freqs.weight" in factors:
         config["rope_scaling"] = llama3_scaling(factors.pop("rope_freqs.weight"), config["rope_theta"],
                                                 config["head_dim"])
@@ -327,7 +328,7 @@ def _write_conversion(gguf_path: str, tmp_dir: str, dtype: torch.dtype) -> None:
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, QuantizedWeight] = {}
     for t in tqdm(reader.tensors, desc=f"Converting {os.path.basename(gguf_path)}", unit="tensor"):
-        if t.name in _ROPE_FACTORS + ("rope_freqs.weight",):
+        if t.name in _ROPE_TENSORS:
             continue  # (in config.json's rope_scaling)
         name = hf_name(t.name, meta["general.architecture"])
 

@@ -166,7 +166,8 @@ GATES = {"silu": silu_and_mul, "gelu": gelu_and_mul, "gelu_tanh": gelu_tanh_and_
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch.Tensor:
     """Rotary inverse frequencies, with Llama-3-style, linear or YaRN scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq = 1.0 / pos_freqs
     kind = rope_kind(scaling)
     if kind == "default":
         return inv_freq
@@ -175,10 +176,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> torch
     if kind == "llama3":
         return _llama3_scale(inv_freq, scaling)
     if kind == "yarn":
-        return _yarn_scale(head_dim, theta, scaling)
+        return _yarn_scale(pos_freqs, head_dim, theta, scaling)
     if kind == "longrope":  # its short factors: the context is the original one (context_length)
-        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * theta ** shape)
+        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * pos_freqs)
     raise ValueError(f"rope scaling {kind!r} is not supported (supported: default, linear, llama3, yarn, longrope)")
 
 
@@ -208,10 +208,11 @@ def rope_attention_factor(scaling: Optional[dict]) -> float:
     return get(mscale) / get(mscale_all_dim) if mscale and mscale_all_dim else get()
 
 
-def _yarn_scale(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
-    """YaRN's frequencies: the fastest dimensions as they were, the slowest divided by the factor,
-    a linear ramp between the dimensions that turn beta_fast and beta_slow times over the original
-    context (computed as transformers does, so that the tables agree)."""
+def _yarn_scale(pos_freqs: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN's frequencies (pos_freqs: theta ** (2i / head_dim), the unscaled ones' inverses): the fastest
+    dimensions as they were, the slowest divided by the factor, a linear ramp between the
+    dimensions that turn beta_fast and beta_slow times over the original context (computed as
+    transformers does, so that the tables agree)."""
     factor, original = float(scaling["factor"]), scaling["original_max_position_embeddings"]
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
@@ -225,7 +226,6 @@ def _yarn_scale(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
     if low == high:
         high += 0.001
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
     kept = 1 - ramp  # the share of each dimension's own frequency
     return 1.0 / (factor * pos_freqs) * (1 - kept) + 1.0 / pos_freqs * kept
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from streamserve.frontend.scoring import classifier_score, cosine_scores, pair_prompts, score_pairs
+from streamserve.frontend.scoring import classifier_score, cosine_scores, distinct_pairs, pair_prompts, score_pairs
 from streamserve.server.app import CONFIG, ENGINE, json_response, request_priority, read_body, served_adapter
 from streamserve.server.embeddings import embed, embedding_params, prepared
 from streamserve.server.protocol import APIError, bad_request
@@ -63,7 +63,7 @@ async def _similarities(request: web.Request, body: dict[str, Any], texts_1: lis
     lora = served_adapter(request, body.get("model"))
     name = serving.model_name if lora is None else lora.name
     classifier = engine.input_processor.classifier_token_ids
-    distinct = list(dict.fromkeys(texts_1 + texts_2))
+    distinct, indexed = distinct_pairs(texts_1, texts_2, pairs)
     count = len(pairs) if classifier is not None else len(distinct)
     if count > serving.server.max_choices:  # (before any tokenizing)
         raise bad_request(f"{count} {'pairs' if classifier is not None else 'distinct texts'}: at most "
@@ -87,8 +87,7 @@ async def _similarities(request: web.Request, body: dict[str, Any], texts_1: lis
     tokens = sum(len(ids) for _, ids in prompts)
     if classifier is not None:
         return [classifier_score(v) for v in vectors], tokens, name
-    at = {text: k for k, text in enumerate(inputs)}
-    return cosine_scores(vectors, [(at[texts_1[i]], at[texts_2[j]]) for i, j in pairs]), tokens, name
+    return cosine_scores(vectors, indexed), tokens, name
 
 
 async def create_score(request: web.Request) -> web.Response:
