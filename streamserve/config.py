@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from streamserve.models.quantization import checkpoint_method
 from streamserve.models.resolve import DEFAULT_MODEL, resolve_model
 
 _DTYPES = {
@@ -117,6 +118,9 @@ class ModelConfig:
                 "model that ships none, or to change it; as vLLM's --chat-template)"})
     dtype: str = field(default="auto", metadata={
         "help": "weight and activation dtype: auto (the checkpoint's), float32, bfloat16, float16"})
+    quantization: Optional[str] = field(default=None, metadata={
+        "help": "the checkpoint's quantization method, read from its config.json (awq, gptq, compressed-tensors, "
+                "fp8; vLLM's awq_marlin and gptq_marlin name the first two): naming another is refused"})
     max_model_len: Optional[int] = field(default=None, metadata={
         "help": "longest sequence (prompt + output) in tokens (default: the model's context length, or "
                 "what the KV cache holds where that is less)"})
@@ -162,6 +166,7 @@ class ModelConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {self.load_format!r} must be auto or dummy")
         self.torch_dtype = self._resolve_dtype()
+        self.quantization = checkpoint_method(self.hf_config, self.quantization)
         self.sampling_defaults = sampling_defaults(self.model, self.generation_config, self.override_generation_config)
         limit = self.derived_max_model_len()
         if self.max_model_len is None:

@@ -81,7 +81,7 @@ def test_the_step_budget_defaults_by_device(model_dir):
 def test_every_field_is_a_keyword_of_one_part():
     names = [f.name for fields in Config.part_fields().values() for f in fields]
     assert len(names) == len(set(names))
-    assert {"model", "gguf_file", "tokenizer", "chat_template", "dtype", "max_model_len", "seed", "block_size",
+    assert {"model", "gguf_file", "tokenizer", "chat_template", "dtype", "quantization", "max_model_len", "seed", "block_size",
             "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization",
             "num_gpu_blocks_override", "kv_cache_dtype", "max_num_seqs", "scheduling_policy",
             "max_num_batched_tokens", "speculative_config", "device", "kernel_backend",

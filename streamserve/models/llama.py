@@ -365,6 +365,9 @@ class LlamaForCausalLM(nn.Module):
         for name, module in self.named_modules():
             if isinstance(module, Linear):
                 module.lora_key = name
+        # a quantized checkpoint's weights as GGUF blocks (Hugging Face name -> QuantizedWeight),
+        # which the loader fills where the CPU's quantized GEMV will read them (models/quantization.py)
+        self.checkpoint_blocks: dict = {}
 
     def tie_weights(self) -> None:
         """Tied: the head is a Linear sharing the embedding's weight (re-tie after moves)."""

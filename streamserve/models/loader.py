@@ -7,14 +7,19 @@ import json
 import os
 from typing import Iterator
 
+import logging
+
 import torch
 from safetensors import safe_open
 
 from streamserve.config import ModelConfig
 from streamserve.models.layers import RMSNorm
 from streamserve.models.llama import LlamaForCausalLM
+from streamserve.models.quantization import Dequantizer, describe
 from streamserve.models.quantized import BLOCKS_FILE
 from streamserve.models.registry import build_model
+
+logger = logging.getLogger(__name__)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -29,6 +34,15 @@ def safetensors_files(model_dir: str) -> list[str]:
     if not files:
         raise ValueError(f"model directory {model_dir!r} has no *.safetensors weights")
     return files
+
+
+def checkpoint_names(model_dir: str) -> list[str]:
+    """Every tensor's name, without reading the tensors."""
+    names = []
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            names.extend(f.keys())
+    return names
 
 
 def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -56,9 +70,11 @@ def fill_random(model: torch.nn.Module, seed: int) -> None:
             param.uniform_(-bound, bound, generator=gen)
 
 
-def load_model(model_config: ModelConfig, device: torch.device,
-               dtype: torch.dtype) -> LlamaForCausalLM:
-    """Build the model on `device` in `dtype` and fill in its weights."""
+def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               keep_blocks: bool = False) -> LlamaForCausalLM:
+    """Build the model on `device` in `dtype` and fill in its weights: a quantized checkpoint's
+    dequantized (models/quantization.py), their GGUF blocks in `model.checkpoint_blocks` where
+    `keep_blocks` (the CPU's quantized GEMV reads them)."""
     with torch.device("meta"):
         model = build_model(model_config.hf_config)
     # each tensor allocated in place of its meta one, uninitialised, floating ones in `dtype`: what
@@ -73,6 +89,13 @@ def load_model(model_config: ModelConfig, device: torch.device,
                 norm.weight.data = norm.weight.data.float()
     if model_config.load_format == "dummy":
         fill_random(model, model_config.seed)
+    elif model_config.quantization is not None:
+        config = model_config.hf_config["quantization_config"]
+        logger.info("reading a checkpoint quantized with %s, its weights dequantized to %s",
+                    describe(model_config.quantization, config), str(dtype).removeprefix("torch."))
+        dequantize = Dequantizer(model_config.quantization, config, checkpoint_names(model_config.model), keep_blocks)
+        model.load_weights(dequantize(iterate_safetensors(model_config.model)))
+        model.checkpoint_blocks = dequantize.blocks
     else:
         model.load_weights(iterate_safetensors(model_config.model))
     for rotary in model.rotaries():

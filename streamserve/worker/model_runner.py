@@ -129,7 +129,8 @@ class ModelRunner:
         c_ok = kernels is not None and config.device.kernel_backend == "torch"
         self.dtype, low_precision, native_half = choose_dtypes(config.model.torch_dtype, self.device, c_ok)
         self.block_size = config.cache.block_size
-        self.model = load_model(config.model, self.device, self.dtype)
+        self.model = load_model(config.model, self.device, self.dtype,
+                                keep_blocks=c_ok and self.dtype == torch.float32)
         self.to_device = HostStaging(self.device)  # numpy array -> device tensor
         self.low_precision_max_tokens = 0  # steps up to this many tokens read the weight copies
         self.c_kernels = kernels if c_ok and self.dtype == torch.float32 else None
@@ -177,7 +178,7 @@ class ModelRunner:
             else QUANT_MAX_TOKENS_SEVERAL_STREAMS if self.c_kernels is not None and self.c_kernels.several_streams
             else QUANT_MAX_TOKENS)
         if self.c_kernels is not None:
-            self._keep_quantized(config.model.model)
+            self._keep_quantized(config.model.model, half_copies=low_precision is not None)
         if self.device.type == "cpu":
             self.model.move_copies(cpu_kernels.onto_huge_pages)
             cpu_kernels.release_freed_memory()
@@ -220,18 +221,27 @@ class ModelRunner:
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
                                       -(-config.model.max_model_len // self.block_size))
 
-    def _keep_quantized(self, model_dir: str) -> None:
-        """Give the linear layers of a model converted from GGUF its quantized blocks."""
-        weights = read_quantized(model_dir)
+    def _keep_quantized(self, model_dir: str, half_copies: bool) -> None:
+        """Give the linear layers of a model converted from GGUF, or of a quantized checkpoint
+        (models/quantization.py), their quantized blocks (`half_copies`: the other steps read
+        16-bit copies)."""
+        weights = read_quantized(model_dir) or self.model.checkpoint_blocks
         if not weights:
             return
+        if half_copies and {w.kind for w in weights.values()} == {"q8_0"}:
+            # Q8_0's blocks save half of bfloat16's bytes, not three quarters: a 1B-shaped W8A8
+            # checkpoint decoded 1.13-1.16x faster from them at batch 1 but 0.80-0.93x at 2 to 4
+            # (scripts/bench_quantized.py --shape olmo2-1b --formats w8a8-int8, Zen 4, 2026-12-04)
+            self.quant_max_tokens = min(self.quant_max_tokens, 1)
         kept = self.model.keep_quantized(weights, self.c_kernels.quant_gemv, self.quant_max_tokens)
         if kept:
             self.low_precision_max_tokens = max(self.low_precision_max_tokens, self.quant_max_tokens)
         total = sum(isinstance(m, Linear) for m in self.model.modules())
-        logger.info("steps of at most %d tokens read the GGUF's quantized blocks of %d of %d linear layers "
-                    "(those of %s tensors)", self.quant_max_tokens, len(kept), total,
+        logger.info("steps of at most %d tokens read the %s quantized blocks of %d of %d linear layers "
+                    "(those of %s tensors)", self.quant_max_tokens,
+                    "checkpoint's" if self.model.checkpoint_blocks else "GGUF's", len(kept), total,
                     ", ".join(kind.upper() for kind in BLOCKS))
+        self.model.checkpoint_blocks = {}  # (the layers hold what they read)
 
     # -- sizing ------------------------------------------------------------------
 
