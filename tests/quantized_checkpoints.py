@@ -212,7 +212,8 @@ def compressed_tensors_reference(dst: str) -> dict[str, torch.Tensor]:
     from compressed_tensors.quantization.lifecycle.forward import dequantize
     from compressed_tensors.quantization import QuantizationArgs
 
-    config = json.load(open(os.path.join(dst, "config.json")))["quantization_config"]
+    config = json.load(open(os.path.join(dst, "config.json")))
+    config = config.get("quantization_config") or config["compression_config"]
     args = QuantizationArgs(**config["config_groups"]["group_0"]["weights"])
     tensors = load_file(os.path.join(dst, "model.safetensors"))
     out = {}

@@ -535,6 +535,8 @@ class LlamaForCausalLM(nn.Module):
                     offset_rows = shard
                     break
             if target not in params:
+                if name.endswith(".bias") and not tensor.any():
+                    continue  # a zero bias of a layer that has none (GPTQ's writers add them; vLLM skips them too)
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
             param = params[target]
             if offset_rows is None:

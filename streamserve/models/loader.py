@@ -15,7 +15,7 @@ from safetensors import safe_open
 from streamserve.config import ModelConfig
 from streamserve.models.layers import RMSNorm
 from streamserve.models.llama import LlamaForCausalLM
-from streamserve.models.quantization import Dequantizer, describe
+from streamserve.models.quantization import Dequantizer, describe, quantization_config
 from streamserve.models.quantized import BLOCKS_FILE
 from streamserve.models.registry import build_model
 
@@ -90,7 +90,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     if model_config.load_format == "dummy":
         fill_random(model, model_config.seed)
     elif model_config.quantization is not None:
-        config = model_config.hf_config["quantization_config"]
+        config = quantization_config(model_config.hf_config)
         logger.info("reading a checkpoint quantized with %s, its weights dequantized to %s",
                     describe(model_config.quantization, config), str(dtype).removeprefix("torch."))
         dequantize = Dequantizer(model_config.quantization, config, checkpoint_names(model_config.model), keep_blocks)

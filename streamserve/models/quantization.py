@@ -51,10 +51,15 @@ PARTS = MARKS + ("qzeros", "scales", "g_idx", "weight_shape", "weight_zero_point
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of each 4-bit value of an AWQ word
 
 
+def quantization_config(hf_config: dict) -> Optional[dict]:
+    """config.json's quantization_config (compressed-tensors' earlier checkpoints: compression_config)."""
+    return hf_config.get("quantization_config") or hf_config.get("compression_config")
+
+
 def checkpoint_method(hf_config: dict, asked: Optional[str]) -> Optional[str]:
     """The checkpoint's quantization method (None: not quantized), checked against `asked`
     (--quantization) and against what this reads; a sentence where it cannot be served."""
-    config = hf_config.get("quantization_config")
+    config = quantization_config(hf_config)
     method = config.get("quant_method") if isinstance(config, dict) else None
     method = ALIASES.get(method, method)
     asked = ALIASES.get(asked, asked)
@@ -297,6 +302,8 @@ class Dequantizer:
     def __call__(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in tensors:
             prefix, _, part = name.rpartition(".")
+            if part in DROPPED and prefix not in self.expected:  # (an attention's KV cache scales)
+                continue
             if prefix not in self.expected or part not in self.expected[prefix]:  # (a bias: as it is)
                 yield name, tensor
                 continue

@@ -280,3 +280,28 @@ def test_an_8bit_checkpoints_blocks_serve_steps_of_one_token_beside_bfloat16_cop
             steps[fmt, dtype] = runner.quant_max_tokens
     assert steps["ct-W8A8", "bfloat16"] == 1 and steps["awq", "bfloat16"] in (3, 4)
     assert steps["ct-W8A8", "float32"] == steps["awq", "float32"] == 8
+
+
+def test_what_published_checkpoints_add_is_read_past(src, tmp_path):
+    """compressed-tensors' earlier key (compression_config) and its KV cache scales (k_scale,
+    v_scale: the cache is kept in the model's dtype here); GPTQ writers' zero biases on layers
+    that have none (vLLM skips them too). A bias that is not zero has no place, and is refused."""
+    path = str(tmp_path / "ct")
+    qc.write_compressed_tensors(src, path, "W4A16")
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["compression_config"] = config.pop("quantization_config")
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    for layer in range(2):
+        for name in ("k_scale", "v_scale"):
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(0.05)
+        tensors[f"model.layers.{layer}.self_attn.o_proj.bias"] = torch.zeros(64)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    reference = qc.reference_dir(src, str(tmp_path / "reference"), qc.compressed_tensors_reference(path))
+    llm = LLM(path, dtype="float32", kv_cache_memory="16MiB")
+    assert llm.config.model.quantization == "compressed-tensors"
+    check_parity(llm, reference, num_prompts=2, new_tokens=8, logprob_tol=1e-2)
+    tensors["model.layers.1.self_attn.o_proj.bias"][3] = 0.5
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="'layers.1.self_attn.o_proj.bias' has no place in the model"):
+        LLM(path, dtype="float32", kv_cache_memory="16MiB")
