@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from streamserve.models.cpu_kernels import pack_quantized, pack_weight, packed_rows
+from streamserve.models.cpu_kernels import pack_quantized, pack_weight, packed_rows, release_freed_memory
 from streamserve.models.quantized import BLOCKS
 
 if TYPE_CHECKING:
@@ -91,6 +91,7 @@ class Linear(nn.Module):
         self.low_precision_weight = copy.contiguous() if row_major else None
         if drop_full:
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+            release_freed_memory()  # (layer by layer: the copies do not pile up on the weights' freed pages)
 
     def keep_quantized(self, weight, gemv, max_rows: int) -> None:
         """Read `weight` (a QuantizedWeight of this layer's shape), packed for `gemv(x, packed)`
@@ -143,6 +144,19 @@ class PackedEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.rows(self.packed, input_ids)
+
+
+class UpcastEmbedding(nn.Embedding):
+    """An embedding held in a checkpoint's 16-bit dtype whose rows come out in `dtype` (the
+    float32 the CPU computes in): the same values as a float32 copy's, in half its memory."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__(weight.shape[0], weight.shape[1], _weight=weight)
+        self.weight.requires_grad_(False)
+        self.out_dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight).to(self.out_dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

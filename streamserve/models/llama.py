@@ -451,13 +451,14 @@ class LlamaForCausalLM(nn.Module):
                 module.replace_copies(lambda t: kept.append(t) or t)
         return kept
 
-    def move_copies(self, place: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:
-        """Hand `copies()` to `place`, which returns them held elsewhere
-        (cpu_kernels.onto_huge_pages), and keep those instead."""
+    def move_copies(self, place: Callable[[list[torch.Tensor]], Iterable[torch.Tensor]]) -> None:
+        """Hand `copies()` to `place`, which returns them held elsewhere, in order
+        (cpu_kernels.onto_huge_pages: one at a time), and keep those instead, each as it comes."""
         kept = self.copies()
         if not kept:
             return
         placed = iter(place(kept))
+        del kept  # (the list is place's now: it may let each original go as it yields its copy)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.replace_copies(lambda t: next(placed))

@@ -5,15 +5,16 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import logging
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from streamserve.config import ModelConfig
-from streamserve.models.layers import RMSNorm
+from streamserve.models.layers import Linear, RMSNorm, UpcastEmbedding
 from streamserve.models.llama import LlamaForCausalLM
 from streamserve.models.quantization import Dequantizer, describe, quantization_config
 from streamserve.models.quantized import BLOCKS_FILE
@@ -71,10 +72,13 @@ def fill_random(model: torch.nn.Module, seed: int) -> None:
 
 
 def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-               keep_blocks: bool = False) -> LlamaForCausalLM:
+               keep_blocks: bool = False, linear_dtype: Optional[torch.dtype] = None) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill in its weights: a quantized checkpoint's
     dequantized (models/quantization.py), their GGUF blocks in `model.checkpoint_blocks` where
-    `keep_blocks` (the CPU's quantized GEMV reads them)."""
+    `keep_blocks` (the CPU's quantized GEMV reads them). With `linear_dtype`, the linear layers'
+    weights and the embedding are held in that dtype instead, the embedding's rows upcast as
+    they are looked up: where the runner keeps only copies of them in it (a 16-bit checkpoint on
+    the CPU's C kernels), so that loading takes half of float32's memory."""
     with torch.device("meta"):
         model = build_model(model_config.hf_config)
     # each tensor allocated in place of its meta one, uninitialised, floating ones in `dtype`: what
@@ -82,6 +86,11 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     # torch's Python refs, which import sympy (0.7-0.9 s of the start-up)
     model = model._apply(lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype,
                                                device=device))
+    if linear_dtype is not None:
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.weight = nn.Parameter(module.weight.data.to(linear_dtype), requires_grad=False)
+        model.embed_tokens = UpcastEmbedding(model.embed_tokens.weight.data.to(linear_dtype), dtype)
     model.tie_weights()
     if model.arch.norm_offset or model.arch.post_norms:  # Gemma's and OLMo 2's norms scale in float32
         for norm in model.modules():

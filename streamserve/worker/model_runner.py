@@ -129,8 +129,10 @@ class ModelRunner:
         c_ok = kernels is not None and config.device.kernel_backend == "torch"
         self.dtype, low_precision, native_half = choose_dtypes(config.model.torch_dtype, self.device, c_ok)
         self.block_size = config.cache.block_size
-        self.model = load_model(config.model, self.device, self.dtype,
-                                keep_blocks=c_ok and self.dtype == torch.float32)
+        # (with the C kernels, a 16-bit checkpoint's linear weights are kept only as packed copies
+        # in its dtype, below: they are loaded in it)
+        self.model = load_model(config.model, self.device, self.dtype, keep_blocks=c_ok and self.dtype == torch.float32,
+                                linear_dtype=low_precision if c_ok else None)
         self.to_device = HostStaging(self.device)  # numpy array -> device tensor
         self.low_precision_max_tokens = 0  # steps up to this many tokens read the weight copies
         self.c_kernels = kernels if c_ok and self.dtype == torch.float32 else None

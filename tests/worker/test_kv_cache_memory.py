@@ -72,3 +72,66 @@ def test_cpu_weight_copies_and_kv_caches_are_advised_for_huge_pages(llama_dir):
     if kernels == "True":  # every linear layer keeps packed copies for the C GEMM
         assert int(copies) > 0, out
     assert out[1:3] == ["True", "True True"], out
+
+
+def test_onto_huge_pages_lets_each_original_go_as_it_yields_its_copy():
+    """The load's peak: each original leaves the list as its copy is made, so a caller putting
+    the copies in place one by one holds the weights once, not twice."""
+    import gc
+    import weakref
+
+    import torch
+
+    from streamserve.models.cpu_kernels import onto_huge_pages
+
+    originals = [torch.randn(64, 100), torch.arange(300, dtype=torch.int32), torch.randn(7).bfloat16()]
+    values = [t.clone() for t in originals]
+    alive = [weakref.ref(t) for t in originals]
+    tensors = list(originals)
+    del originals
+    copies = []
+    for i, copy in enumerate(onto_huge_pages(tensors)):
+        gc.collect()
+        assert len(tensors) == len(values) - i - 1 and alive[i]() is None  # (the list held the last reference)
+        copies.append(copy)
+    assert all(torch.equal(c, v) and c.dtype == v.dtype and c.data_ptr() % 64 == 0 for c, v in zip(copies, values))
+
+
+def test_a_16_bit_checkpoint_is_loaded_in_its_dtype_and_computes_in_float32(tmp_path, monkeypatch):
+    """On the C kernels a bfloat16 checkpoint's linear weights are loaded as bfloat16 (their
+    packed copies are all that is kept) and its embedding stays bfloat16, its rows upcast as
+    they are looked up: the same tokens and logprobs, to the bit, as loading it in float32 gave."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from streamserve import LLM, SamplingParams
+    from streamserve.models.layers import PackedEmbedding, UpcastEmbedding
+    from streamserve.worker import model_runner
+    from tiny_models import build_model
+
+    def run(path: str):
+        llm = LLM(path, dtype="bfloat16", kv_cache_memory="32MiB")
+        params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+        outputs = llm.generate([{"prompt_token_ids": [5 + i * 7 % 300 for i in range(n)]} for n in (3, 20, 41)],
+                               params, use_tqdm=False)
+        got = [(o.outputs[0].token_ids, [[(t, e.logprob) for t, e in d.items()] for d in o.outputs[0].logprobs])
+               for o in outputs]
+        return llm.engine_core.model_runner, got
+
+    path = build_model(str(tmp_path / "qwen2"), "qwen2")  # untied
+    weights = load_file(f"{path}/model.safetensors")
+    save_file({k: v.bfloat16() for k, v in weights.items()}, f"{path}/model.safetensors", metadata={"format": "pt"})
+    runner, got = run(path)
+    if runner.c_kernels is None:
+        pytest.skip("the CPU kernels do not build here")
+    embedding = runner.model.embed_tokens
+    assert isinstance(embedding, UpcastEmbedding) and embedding.weight.dtype == torch.bfloat16
+    assert torch.equal(embedding(torch.tensor([5, 9])), weights["model.embed_tokens.weight"][[5, 9]].bfloat16().float())
+    assert runner.model.layers[0].mlp.down_proj.weight.numel() == 0  # (only its packed copy)
+    load = model_runner.load_model
+    monkeypatch.setattr(model_runner, "load_model", lambda *a, linear_dtype=None, **k: load(*a, **k))
+    float32_runner, want = run(path)
+    assert type(float32_runner.model.embed_tokens) is torch.nn.Embedding and got == want
+    monkeypatch.undo()
+    tied = LLM(build_model(str(tmp_path / "llama"), "llama"), dtype="bfloat16", kv_cache_memory="32MiB")
+    assert isinstance(tied.engine_core.model_runner.model.embed_tokens, PackedEmbedding)
