@@ -120,7 +120,8 @@ class ModelConfig:
         "help": "weight and activation dtype: auto (the checkpoint's), float32, bfloat16, float16"})
     quantization: Optional[str] = field(default=None, metadata={
         "help": "the checkpoint's quantization method, read from its config.json (awq, gptq, compressed-tensors, "
-                "fp8; vLLM's awq_marlin and gptq_marlin name the first two): naming another is refused"})
+                "fp8; vLLM's awq_marlin and gptq_marlin name the first two), or gguf for a GGUF file: naming "
+                "another is refused"})
     max_model_len: Optional[int] = field(default=None, metadata={
         "help": "longest sequence (prompt + output) in tokens (default: the model's context length, or "
                 "what the KV cache holds where that is less)"})
@@ -166,7 +167,7 @@ class ModelConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format {self.load_format!r} must be auto or dummy")
         self.torch_dtype = self._resolve_dtype()
-        self.quantization = checkpoint_method(self.hf_config, self.quantization)
+        self.quantization = checkpoint_method(self.hf_config, self.quantization, self._from_gguf())
         self.sampling_defaults = sampling_defaults(self.model, self.generation_config, self.override_generation_config)
         limit = self.derived_max_model_len()
         if self.max_model_len is None:
@@ -176,6 +177,14 @@ class ModelConfig:
         elif self.max_model_len > limit:
             raise ValueError(f"max_model_len ({self.max_model_len}) is longer than the model's "
                              f"context length ({limit})")
+
+    def _from_gguf(self) -> bool:
+        """Whether the model directory is a GGUF file's conversion (resolve_model)."""
+        if self.source is None:
+            return False
+        source = os.path.expanduser(self.source)
+        return (self.source == DEFAULT_MODEL or self.gguf_file is not None or source.endswith(".gguf")
+                or (os.path.isdir(source) and not os.path.isfile(os.path.join(source, "config.json"))))
 
     def _resolve_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -108,16 +108,21 @@ def write_awq(src: str, dst: str, group: int = 32, zero_point: bool = True) -> d
 
 
 def write_gptq(src: str, dst: str, bits: int = 4, group: int = 32, sym: bool = True, desc_act: bool = False,
-               v2: bool = False) -> dict[str, torch.Tensor]:
+               v2: bool = False, dynamic: dict = None) -> dict[str, torch.Tensor]:
     """GPTQ's layout (v1: each zero stored less one); with desc_act, each layer's inputs taken
-    in a shuffled order into the groups, as act-order leaves them. Returns the dequantized weights."""
+    in a shuffled order into the groups, as act-order leaves them; `dynamic`, GPTQModel's
+    per-layer overrides ({"+:regex": {"bits": 8}}). Returns the dequantized weights."""
+    import re
+
     out, dequantized = {}, {}
     gen = torch.Generator().manual_seed(7)
+    layer_bits = bits
     for name, w in linear_weights(src).items():
         if not is_quantized(name):
             out[name] = w
             continue
         prefix = name.removesuffix(".weight")
+        bits = next((o["bits"] for k, o in (dynamic or {}).items() if re.match(k[2:], prefix)), layer_bits)
         cols = w.shape[1]
         perm = torch.randperm(cols, generator=gen) if desc_act else torch.arange(cols)
         g_idx = torch.empty(cols, dtype=torch.int64)
@@ -131,8 +136,8 @@ def write_gptq(src: str, dst: str, bits: int = 4, group: int = 32, sym: bool = T
         out[f"{prefix}.scales"] = scale.T.contiguous()
         out[f"{prefix}.g_idx"] = g_idx.to(torch.int32)
         dequantized[name] = dequantize_groups(q, scale, zero, g_idx)
-    config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": sym,
-              "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+    config = {"quant_method": "gptq", "bits": layer_bits, "group_size": group, "desc_act": desc_act, "sym": sym,
+              "checkpoint_format": "gptq_v2" if v2 else "gptq", "dynamic": dynamic}
     _copy_model_files(src, dst, config)
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     return dequantized
@@ -158,10 +163,11 @@ def write_fp8(src: str, dst: str, block: tuple[int, int] = (16, 32)) -> None:
     save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
 
 
-def write_compressed_tensors(src: str, dst: str, scheme: str, group: int = 32, fmt: str = None) -> None:
+def write_compressed_tensors(src: str, dst: str, scheme: str, group: int = 32, fmt: str = None,
+                             weights_only: bool = False) -> None:
     """compressed-tensors' own writing of `scheme` (one of its presets: W4A16, W4A16_ASYM,
-    W8A16, W8A8, FP8, FP8_DYNAMIC, FP8_BLOCK), with min-max scales (llm-compressor calibrates
-    them; the layout is the same)."""
+    W8A16, W8A8, FP8, FP8_DYNAMIC, FP8_BLOCK; `weights_only`: without its activations), with
+    min-max scales (llm-compressor calibrates them; the layout is the same)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
                                                  preset_name_to_scheme)
@@ -174,6 +180,8 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, group: int = 32, f
         spec.weights.group_size = group
     if spec.weights.block_structure:
         spec.weights.block_structure = [group, group]
+    if weights_only:
+        spec.input_activations = None
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": spec}, ignore=["lm_head"]))
     args = spec.weights
     for module in model.modules():

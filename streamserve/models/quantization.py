@@ -44,7 +44,7 @@ ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq", "compressed_tensors": "co
 # compressed-tensors' formats whose weights this reads (and those it refuses name themselves)
 CT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized", "float-quantized")
 # tensors of a quantized layer that scale its activations or its KV cache, which are not quantized here
-DROPPED = ("input_scale", "output_scale", "k_scale", "v_scale", "q_scale")
+DROPPED = ("input_scale", "output_scale", "k_scale", "v_scale", "q_scale", "kv_scale")
 # the parts a quantized layer's weight is stored as (one of the first group marks it quantized)
 MARKS = ("qweight", "weight_packed", "weight_scale", "weight_scale_inv")
 PARTS = MARKS + ("qzeros", "scales", "g_idx", "weight_shape", "weight_zero_point", "weight_g_idx", "weight")
@@ -56,15 +56,18 @@ def quantization_config(hf_config: dict) -> Optional[dict]:
     return hf_config.get("quantization_config") or hf_config.get("compression_config")
 
 
-def checkpoint_method(hf_config: dict, asked: Optional[str]) -> Optional[str]:
-    """The checkpoint's quantization method (None: not quantized), checked against `asked`
-    (--quantization) and against what this reads; a sentence where it cannot be served."""
+def checkpoint_method(hf_config: dict, asked: Optional[str], from_gguf: bool = False) -> Optional[str]:
+    """The checkpoint's quantization method (None: not quantized, or a GGUF's conversion),
+    checked against `asked` (--quantization) and against what this reads; a sentence where it
+    cannot be served."""
     config = quantization_config(hf_config)
     method = config.get("quant_method") if isinstance(config, dict) else None
     method = ALIASES.get(method, method)
-    asked = ALIASES.get(asked, asked)
-    if asked is not None and asked != method:
-        have = f"is quantized with {method!r}" if method else "is not quantized"
+    if asked == "gguf" and from_gguf:  # (vLLM's name for a GGUF file's quantization: models/quantized.py)
+        return None
+    if asked is not None and ALIASES.get(asked, asked) != method:
+        have = (f"is quantized with {method!r}" if method else "is a GGUF file's" if from_gguf
+                else "is not quantized")
         raise ValueError(f"quantization {asked!r} was asked for, but the checkpoint {have} (this server "
                          "reads a checkpoint's own quantization and quantizes nothing itself)")
     if method is None:
@@ -84,8 +87,13 @@ def _check_awq(config: dict) -> None:
 
 
 def _check_gptq(config: dict) -> None:
-    if config.get("bits", 4) not in (4, 8):
-        raise ValueError(f"GPTQ checkpoints of 4 or 8 bits are read; this one has {config.get('bits')}")
+    # GPTQModel's per-layer overrides ("+:regex": {"bits": 8, ...}) may set other widths
+    overrides = [o for o in (config.get("dynamic") or {}).values() if isinstance(o, dict) and "bits" in o]
+    for bits in [config.get("bits", 4)] + [o["bits"] for o in overrides]:
+        if bits not in (4, 8):
+            raise ValueError(f"GPTQ checkpoints of 4 or 8 bits are read; this one has {bits}")
+    if config.get("is_marlin_format"):
+        raise ValueError("GPTQ checkpoints saved in Marlin's layout (is_marlin_format) are not read")
     if config.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
         raise ValueError(f"GPTQ's checkpoint_format {config.get('checkpoint_format')!r} is not read "
                          "(gptq and gptq_v2 are)")
@@ -94,16 +102,24 @@ def _check_gptq(config: dict) -> None:
 def _check_ct(config: dict) -> None:
     groups = config.get("config_groups") or {}
     for name, group in groups.items():
+        weights = group.get("weights")
+        if not weights:  # a group of activations or of the KV cache only, which are not quantized here
+            continue
         fmt = group.get("format") or config.get("format")
-        weights = group.get("weights") or {}
         kind, bits = weights.get("type", "int"), weights.get("num_bits")
         if fmt not in CT_FORMATS:
             raise ValueError(f"compressed-tensors' format {fmt!r} (group {name!r}) is not read; "
                              f"these are: {', '.join(CT_FORMATS)}")
-        if (kind, bits) not in (("int", 4), ("int", 8), ("float", 8)) or (kind == "float") != (fmt == "float-quantized"):
+        # (float8 weights without quantized activations are written naive-quantized)
+        readable = {("int", 4): ("pack-quantized", "naive-quantized"),
+                    ("int", 8): ("pack-quantized", "naive-quantized", "int-quantized"),
+                    ("float", 8): ("float-quantized", "naive-quantized")}
+        if fmt not in readable.get((kind, bits), ()):
             raise ValueError(f"compressed-tensors' {kind} weights of {bits} bits in format {fmt!r} "
                              f"(group {name!r}) are not read: int4, int8 and float8 ones are")
-    if config.get("sparsity_config"):
+    sparsity = config.get("sparsity_config") or {}
+    if sparsity and (sparsity.get("format", "dense") != "dense" or sparsity.get("targets")):
+        # (llm-compressor notes a dense model's sparsity as "format": "dense": nothing to read)
         raise ValueError("compressed-tensors' sparse checkpoints are not read")
     if config.get("transform_config"):
         raise ValueError("compressed-tensors' transforms (rotations of the weights) are not read")
@@ -200,7 +216,11 @@ def _awq(parts: dict[str, torch.Tensor], config: dict) -> IntWeight:
 
 
 def _gptq(parts: dict[str, torch.Tensor], config: dict) -> IntWeight:
-    bits = config.get("bits", 4)
+    # the layer's own width (GPTQModel's "dynamic" may override the config's): zeros per output
+    bits = parts["qzeros"].shape[1] * 32 // parts["scales"].shape[1]
+    if bits not in (4, 8):
+        raise ValueError(f"{bits}-bit layer ({tuple(parts['qzeros'].shape)} zeros for "
+                         f"{parts['scales'].shape[1]} outputs): 4 and 8 bits are read")
     words = parts["qweight"]  # [in * bits / 32, out], packed along in
     per_word = 32 // bits
     q = unpack_int32(words.T.contiguous(), bits)  # [out, in]
@@ -211,8 +231,11 @@ def _gptq(parts: dict[str, torch.Tensor], config: dict) -> IntWeight:
         zero = zero + 1  # (v1 stores each zero less one)
     cols = words.shape[0] * per_word
     g_idx = parts.get("g_idx")
-    g_idx = g_idx.to(torch.int64) if g_idx is not None else None
-    if g_idx is not None and g_idx.shape[0] != cols:
+    if g_idx is None:  # (in order: the config's group size, which need not divide the inputs)
+        group_size = config.get("group_size", 128)
+        g_idx = torch.arange(cols) // (cols if group_size in (None, -1) else group_size)
+    g_idx = g_idx.to(torch.int64)
+    if g_idx.shape[0] != cols:
         raise ValueError(f"GPTQ g_idx has {g_idx.shape[0]} entries for {cols} inputs")
     return IntWeight(bits, q, scale.T.contiguous(), zero.T.contiguous(), g_idx)
 
@@ -261,7 +284,10 @@ def _scaled(weight: torch.Tensor, scale: torch.Tensor, block: Optional[list]) ->
     rows, cols = w.shape
     scale = scale.to(torch.float32)
     if scale.dim() == 2 and scale.shape[0] != rows and scale.numel() > 1:  # blocks
-        b_rows, b_cols = block or (-(-rows // scale.shape[0]), -(-cols // scale.shape[1]))
+        if not block:  # (the scales' shape does not say it: 1000 rows in blocks of 128 have 8, as of 125)
+            raise ValueError(f"a block scale of shape {tuple(scale.shape)} for a [{rows}, {cols}] weight, "
+                             "but the checkpoint's config gives no one block size")
+        b_rows, b_cols = block
         if (-(-rows // b_rows), -(-cols // b_cols)) != tuple(scale.shape):
             raise ValueError(f"a block scale of shape {tuple(scale.shape)} does not fit a [{rows}, {cols}] "
                              f"weight in blocks of {b_rows}x{b_cols}")
@@ -295,7 +321,7 @@ class Dequantizer:
     def _block_shape(self) -> Optional[list]:
         if self.method == "fp8":
             return self.config.get("weight_block_size")
-        shapes = {tuple(g.get("weights", {}).get("block_structure") or ())
+        shapes = {tuple((g.get("weights") or {}).get("block_structure") or ())
                   for g in (self.config.get("config_groups") or {}).values()} - {()}
         return list(shapes.pop()) if len(shapes) == 1 else None
 
@@ -325,7 +351,7 @@ class Dequantizer:
                 return _scaled(parts["weight"], scale, self.block_shape)
             read = {"awq": _awq, "gptq": _gptq}.get(self.method)
             ints = read(parts, self.config) if read else _ct_int(parts)
-        except (KeyError, RuntimeError, IndexError) as exc:
+        except (KeyError, RuntimeError, IndexError, ValueError) as exc:
             raise ValueError(f"cannot read the quantized layer {prefix!r} ({', '.join(sorted(parts))}) "
                              f"as {self.method}: {exc}") from exc
         if self.keep_blocks:

@@ -79,10 +79,16 @@ def test_gptq_packs_inputs_from_the_lowest_bits_and_stores_zeros_less_one():
     v2 = _gptq(parts, {"bits": 4, "checkpoint_format": "gptq_v2"}).dequantize()
     assert torch.equal(v2, ((torch.arange(8)[None, :] - torch.arange(8)[:, None]) * 0.5).float())
     assert unpack_int32(torch.tensor([[0x04030201]], dtype=torch.int32), 8).tolist() == [[1, 2, 3, 4]]
+    # without g_idx, the config's group size, which need not divide the inputs: 8 in groups of 3
+    groups = {**parts, "qzeros": torch.tensor([[word]] * 3, dtype=torch.int32),
+              "scales": torch.tensor([[0.5] * 8, [1.0] * 8, [2.0] * 8], dtype=torch.float16)}
+    w3 = _gptq(groups, {"bits": 4, "group_size": 3}).dequantize()
+    assert torch.equal(w3, want.float() * torch.tensor([1.0, 1, 1, 2, 2, 2, 4, 4]))
 
 
-@pytest.mark.parametrize("settings", [{}, {"sym": False, "desc_act": True}, {"bits": 8}, {"sym": False, "v2": True}],
-                         ids=["4bit-sym", "4bit-act-order", "8bit", "v2"])
+@pytest.mark.parametrize("settings", [{}, {"sym": False, "desc_act": True}, {"bits": 8}, {"sym": False, "v2": True},
+                                      {"dynamic": {"+:.*mlp.down_proj": {"bits": 8}}}],
+                         ids=["4bit-sym", "4bit-act-order", "8bit", "v2", "dynamic-8bit-down"])
 def test_gptq_layers_read_as_written(src, tmp_path, settings):
     want = qc.write_gptq(src, str(tmp_path / "gptq"), **settings)
     got, _ = dequantized(str(tmp_path / "gptq"))
@@ -106,16 +112,18 @@ def test_fp8_reads_as_transformers_dequantizes_it(src, tmp_path):
         assert torch.equal(got[name], theirs[name].float()), name
 
 
-CT_SCHEMES = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK"]
+CT_SCHEMES = ["W4A16", "W4A16_ASYM", "W8A16", "W8A8", "FP8", "FP8_DYNAMIC", "FP8_BLOCK", "FP8_DYNAMIC-weights"]
 
 
 @pytest.mark.parametrize("scheme", CT_SCHEMES)
 def test_compressed_tensors_reads_as_it_dequantizes(src, tmp_path, scheme):
     """llm-compressor's checkpoints, written by compressed-tensors itself: pack-quantized int4
     (symmetric, and with packed zero points), int8, int-quantized W8A8, float-quantized FP8 a
-    tensor, a row and a block."""
+    tensor, a row and a block, and FP8 weights alone (which it writes naive-quantized)."""
     path = str(tmp_path / scheme)
-    qc.write_compressed_tensors(src, path, scheme)
+    qc.write_compressed_tensors(src, path, scheme.removesuffix("-weights"), weights_only=scheme.endswith("-weights"))
+    if scheme.endswith("-weights"):
+        assert json.load(open(os.path.join(path, "config.json")))["quantization_config"]["format"] == "naive-quantized"
     got, _ = dequantized(path)
     reference = qc.compressed_tensors_reference(path)
     assert set(reference) == quantized_names(got) and len(reference) == 14
@@ -233,6 +241,10 @@ def test_small_steps_read_a_quantized_checkpoints_blocks(src, tmp_path, fmt, kin
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {"weights": {
         "num_bits": 2, "type": "int"}}}}, "int weights of 2 bits"),
     ({"quant_method": "fp8", "fmt": "e5m2"}, "this one is 'e5m2'"),
+    ({"quant_method": "gptq", "bits": 4, "dynamic": {"+:.*down_proj": {"bits": 2}}}, "this one has 2"),
+    ({"quant_method": "gptq", "bits": 4, "is_marlin_format": True}, "Marlin's layout"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}, "sparsity_config": {
+        "format": "sparse-24-bitmask", "targets": ["Linear"]}}, "sparse checkpoints are not read"),
 ])
 def test_what_cannot_be_read_is_refused_up_front(src, tmp_path, quantization_config, message):
     path = str(tmp_path / "bad")
@@ -243,16 +255,24 @@ def test_what_cannot_be_read_is_refused_up_front(src, tmp_path, quantization_con
 
 
 def test_the_quantization_setting_names_the_checkpoints_method(src, tmp_path):
-    """vLLM's --quantization: its kernels' names (awq_marlin) name the same checkpoints; a method
-    the checkpoint is not quantized with is refused, as is asking to quantize a plain one."""
+    """vLLM's --quantization: its kernels' names (awq_marlin) name the same checkpoints, gguf a
+    GGUF file's; a method the checkpoint is not quantized with is refused, by the name asked
+    for, as is asking to quantize a plain one."""
+    from streamserve.config import ModelConfig
+
     path = str(tmp_path / "awq")
     qc.write_awq(src, path)
     llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", quantization="awq_marlin")
     assert llm.config.model.quantization == "awq"
-    with pytest.raises(ValueError, match="'gptq' was asked for, but the checkpoint is quantized with 'awq'"):
-        LLM(path, dtype="float32", kv_cache_memory="16MiB", quantization="gptq")
+    with pytest.raises(ValueError, match="'gptq_marlin' was asked for, but the checkpoint is quantized with 'awq'"):
+        LLM(path, dtype="float32", kv_cache_memory="16MiB", quantization="gptq_marlin")
     with pytest.raises(ValueError, match="'fp8' was asked for, but the checkpoint is not quantized"):
         LLM(src, dtype="float32", kv_cache_memory="16MiB", quantization="fp8")
+    with pytest.raises(ValueError, match="'gguf' was asked for, but the checkpoint is not quantized"):
+        ModelConfig(model=src, quantization="gguf")
+    assert ModelConfig(quantization="gguf").quantization is None  # (the default model is a GGUF file)
+    with pytest.raises(ValueError, match="'awq' was asked for, but the checkpoint is a GGUF file's"):
+        ModelConfig(quantization="awq")
 
 
 def test_a_layer_missing_a_part_is_named(src, tmp_path):
@@ -283,17 +303,23 @@ def test_an_8bit_checkpoints_blocks_serve_steps_of_one_token_beside_bfloat16_cop
 
 
 def test_what_published_checkpoints_add_is_read_past(src, tmp_path):
-    """compressed-tensors' earlier key (compression_config) and its KV cache scales (k_scale,
-    v_scale: the cache is kept in the model's dtype here); GPTQ writers' zero biases on layers
-    that have none (vLLM skips them too). A bias that is not zero has no place, and is refused."""
+    """compressed-tensors' earlier key (compression_config), a dense model's sparsity note, a
+    group of activations only, its KV cache scales (k_scale, v_scale, the earlier kv_scale: the
+    cache is kept in the model's dtype here); GPTQ writers' zero biases on layers that have none
+    (vLLM skips them too). A bias that is not zero has no place, and is refused."""
     path = str(tmp_path / "ct")
     qc.write_compressed_tensors(src, path, "W4A16")
     config = json.load(open(os.path.join(path, "config.json")))
     config["compression_config"] = config.pop("quantization_config")
+    # llm-compressor's note of a dense model's sparsity, and a group of the attention's activations
+    config["compression_config"]["sparsity_config"] = {"format": "dense", "global_sparsity": 12.5, "targets": [],
+                                                       "sparsity_structure": "unstructured", "ignore": []}
+    config["compression_config"]["config_groups"]["group_1"] = {
+        "targets": ["LlamaAttention"], "weights": None, "input_activations": {"num_bits": 8, "type": "float"}}
     json.dump(config, open(os.path.join(path, "config.json"), "w"))
     tensors = load_file(os.path.join(path, "model.safetensors"))
     for layer in range(2):
-        for name in ("k_scale", "v_scale"):
+        for name in ("k_scale", "v_scale", "kv_scale"):
             tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor(0.05)
         tensors[f"model.layers.{layer}.self_attn.o_proj.bias"] = torch.zeros(64)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
