@@ -261,7 +261,8 @@ def kin_parity(report: Report, device: torch.device, work: str, smoke: bool) -> 
     soft-capped scores and logits), Gemma 3 (windows with their own rotary base, q/k norms,
     sandwich norms), SmolLM3 (a layer without rotary), Granite (its multipliers), Phi-4-mini
     (a rotary over part of each head) and OLMo 2 (norms after attention and the MLP, q and k
-    normed over all heads), on prompts longer than the window: transformers' greedy tokens."""
+    normed over all heads), on prompts longer than the window: transformers' greedy tokens; then
+    quantized checkpoints (quantized_parity)."""
     from tiny_models import build_model
 
     new_tokens = 8 if smoke else 24
@@ -281,6 +282,33 @@ def kin_parity(report: Report, device: torch.device, work: str, smoke: bool) -> 
             free_memory()
         same = sum(o == e for o, e in zip(outs, expected))
         report.add("parity", f"tiny {arch} float32 ({what}), graphs ({replays} replays)",
+                   f"{same}/{len(PARITY_PROMPTS)} prompts identical", "all identical", same == len(PARITY_PROMPTS))
+    quantized_parity(report, device, work, new_tokens)
+
+
+def quantized_parity(report: Report, device: torch.device, work: str, new_tokens: int) -> None:
+    """Quantized checkpoints of a tiny Qwen2 (AWQ 4-bit with zeros; GPTQ 4-bit act-order),
+    dequantized as they load onto the device, on the graphs engine: transformers' greedy tokens
+    on the dequantized weights."""
+    import quantized_checkpoints as qc
+    from tiny_models import build_model
+
+    src = build_model(os.path.join(work, "tiny-qwen2"), "qwen2", seed=0)
+    for fmt, write in (("AWQ 4-bit", lambda d: qc.write_awq(src, d)),
+                       ("GPTQ 4-bit act-order", lambda d: qc.write_gptq(src, d, sym=False, desc_act=True))):
+        path = os.path.join(work, "tiny-qwen2-" + fmt.split()[0].lower())
+        reference = qc.reference_dir(src, path + "-reference", write(path))
+        expected = hf_greedy(reference, device, PARITY_PROMPTS, new_tokens)
+        try:
+            outs, replays, _ = greedy_run(path, device, False, PARITY_PROMPTS, new_tokens)
+        except Exception as exc:
+            traceback.print_exc()
+            report.add("parity", f"tiny qwen2 {fmt}: failed", f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
+            continue
+        finally:
+            free_memory()
+        same = sum(o == e for o, e in zip(outs, expected))
+        report.add("parity", f"tiny qwen2 {fmt} (dequantized at load), graphs ({replays} replays)",
                    f"{same}/{len(PARITY_PROMPTS)} prompts identical", "all identical", same == len(PARITY_PROMPTS))
 
 
