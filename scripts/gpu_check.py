@@ -260,15 +260,17 @@ def kin_parity(report: Report, device: torch.device, work: str, smoke: bool) -> 
     """Llama's kin on the graphs engine: tiny Gemma 2 (every other layer windowed to 16 keys,
     soft-capped scores and logits), Gemma 3 (windows with their own rotary base, q/k norms,
     sandwich norms), SmolLM3 (a layer without rotary), Granite (its multipliers), Phi-4-mini
-    (a rotary over part of each head) and OLMo 2 (norms after attention and the MLP, q and k
-    normed over all heads), on prompts longer than the window: transformers' greedy tokens; then
+    (a rotary over part of each head), OLMo 2 (norms after attention and the MLP, q and k
+    normed over all heads) and OLMo 3 (OLMo 2's layers windowed, the full ones alone scaled), on
+    prompts longer than the window: transformers' greedy tokens; then
     quantized checkpoints (quantized_parity)."""
     from tiny_models import build_model
 
     new_tokens = 8 if smoke else 24
     for arch, what in (("gemma2", "windows of 16, capped scores"), ("gemma3", "windows of 16, own rotary"),
                        ("smollm3", "a layer without rotary"), ("granite", "scaled residuals and logits"),
-                       ("phi4", "a rotary over 3/4 of each head"), ("olmo2", "norms after, q/k normed whole")):
+                       ("phi4", "a rotary over 3/4 of each head"), ("olmo2", "norms after, q/k normed whole"),
+                       ("olmo3", "windows of 16, YaRN on full layers only")):
         model_dir = build_model(os.path.join(work, f"tiny-{arch}"), arch, seed=0)
         expected = hf_greedy(model_dir, device, PARITY_PROMPTS, new_tokens)
         try:

@@ -52,7 +52,7 @@ def build_tokenizer(path: str) -> None:
 
 def _config(arch: str, **overrides):
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig,
-                              Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config)
+                              Olmo2Config, Olmo3Config, Phi3Config, Qwen2Config, Qwen3Config, SmolLM3Config)
 
     kwargs = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -95,17 +95,22 @@ def _config(arch: str, **overrides):
                       residual_multiplier=0.22, logits_scaling=8.0)
     elif arch == "olmo2":  # norms after attention and the MLP, q and k normed over all heads
         kwargs.update(tie_word_embeddings=False)
+    elif arch == "olmo3":  # OLMo 2's layers, three in four windowed to 16; YaRN on the full layer only
+        kwargs.update(tie_word_embeddings=False, num_hidden_layers=4, sliding_window=16, rope_parameters={
+            "full_attention": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256,
+                               "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     else:
         raise ValueError(arch)
     kwargs.update(overrides)
     kind = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
             "phi3": Phi3Config, "phi4": Phi3Config, "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig,
-            "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config}
+            "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config, "olmo3": Olmo3Config}
     return kind[arch](**kwargs)
 
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "phi4", "gemma", "gemma2", "gemma3", "smollm3", "granite",
-         "olmo2")
+         "olmo2", "olmo3")
 
 
 def build_model(path: str, arch: str, seed: int = 0, max_shard_size: Optional[str] = None,
@@ -121,7 +126,7 @@ def build_model(path: str, arch: str, seed: int = 0, max_shard_size: Optional[st
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0, 0.1)
-        if arch.startswith("gemma") or arch == "olmo2":  # and Gemma's (1 + weight) and OLMo 2's norms: not
+        if arch.startswith("gemma") or arch.startswith("olmo"):  # and Gemma's (1 + weight) and OLMo 2's norms: not
             # the zeros (ones) they start as
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):

@@ -128,7 +128,8 @@ def hf_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype, vocab_size: 
         config["sliding_window"] = window
     if arch == "olmo2" and (get("attention.sliding_window") or get("attention.sliding_window_pattern")):
         # (llama.cpp writes OLMo 3 as olmo2, with windowed layers of their own rotary)
-        raise ValueError("this olmo2 GGUF has sliding-window layers (an OLMo 3), which streamserve does not run")
+        raise ValueError("this olmo2 GGUF has sliding-window layers (an OLMo 3): streamserve runs OLMo 3 from its "
+                         "Hugging Face checkpoint, not yet from llama.cpp's conversion of it")
     rotary = get("rope.dimension_count")
     if rotary and rotary != config["head_dim"]:  # (Phi-4-mini's turns 3/4 of each head)
         config["partial_rotary_factor"] = rotary / config["head_dim"]

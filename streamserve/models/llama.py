@@ -78,13 +78,15 @@ class LlamaArch:
     @classmethod
     def from_hf_config(cls, cfg: dict, qkv_bias: bool = False, qk_norm: bool = False, gemma: int = 0,
                        windowed: Union[bool, str] = True, nope: bool = False, granite: bool = False,
-                       olmo2: bool = False) -> "LlamaArch":
+                       olmo2: bool = False, olmo3: bool = False) -> "LlamaArch":
         """`gemma`: the Gemma generation (1-3) the checkpoint is, else 0; `windowed`: whether the
         architecture reads config.json's sliding_window (False: ignores it; "opt_in": only with
         use_sliding_window, as Qwen's); `nope`: some layers rotate nothing (SmolLM3's
         no_rope_layers); `granite`: Granite's multipliers of the embedding, the attention scores
         and the residual branches, and its logits' divisor; `olmo2`: OLMo 2's norms (q and k
-        normed whole; attention's and the MLP's outputs normed, their inputs not)."""
+        normed whole; attention's and the MLP's outputs normed, their inputs not); `olmo3`: OLMo 3's
+        windows (every fourth layer full), whose layers rotate by the base unscaled, the full
+        layers alone by config.json's scaling."""
         heads = cfg["num_attention_heads"]
         rope_params = cfg.get("rope_parameters") or {}
         local_theta = None
@@ -100,6 +102,8 @@ class LlamaArch:
         if rope_kind(scaling) == "longrope" and not scaling.get("factor"):  # (its attention factor's)
             scaling["factor"] = cfg.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
         theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+        if olmo3 and local_theta is None:  # (a config.json of one rope_scaling: the windowed layers' is plain)
+            local_theta = theta
         if gemma:  # transformers' Gemma runs GELU's tanh form where a config says "gelu" (Gemma 1's do)
             act = cfg.get("hidden_activation") or (cfg.get("hidden_act") if gemma == 1 else None) or "gelu_tanh"
             act = "gelu_tanh" if act == "gelu" else act
@@ -118,7 +122,8 @@ class LlamaArch:
             # (SmolLM3Config's: the layers without rotary are the windowed ones)
             cfg = {**cfg, "layer_types": ["full_attention" if r else "sliding_attention"
                                           for r in (rotary_layers(cfg) or [True] * cfg["num_hidden_layers"])]}
-        windows = sliding_windows(cfg, 2 if gemma == 2 else 6 if gemma == 3 else 0, windowed == "opt_in") \
+        every = 2 if gemma == 2 else 6 if gemma == 3 else 4 if olmo3 else 0
+        windows = sliding_windows(cfg, every, windowed == "opt_in") \
             if windowed else ()
         fields = dict(
             vocab_size=cfg["vocab_size"],

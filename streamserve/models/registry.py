@@ -8,7 +8,7 @@ from streamserve.models.llama import ACTIVATIONS, LlamaArch, LlamaForCausalLM
 # architecture name in config.json -> how it differs from Llama (LlamaArch.from_hf_config's
 # keywords): q/k/v projections with a bias, per-head q/k RMSNorm, Gemma's generation, whether
 # config.json's sliding_window is read (transformers' Llama ignores it, Qwen's and SmolLM3's read
-# it only with use_sliding_window), SmolLM3's layers without rotary, Granite's multipliers, OLMo 2's norms
+# it only with use_sliding_window), SmolLM3's layers without rotary, Granite's multipliers, OLMo 2's norms (and OLMo 3's windows)
 _ARCHITECTURES = {
     "LlamaForCausalLM": dict(windowed=False),
     "MistralForCausalLM": dict(),
@@ -21,6 +21,8 @@ _ARCHITECTURES = {
     "SmolLM3ForCausalLM": dict(windowed="opt_in", nope=True),
     "GraniteForCausalLM": dict(windowed=False, granite=True),  # Granite 3's dense models
     "Olmo2ForCausalLM": dict(windowed=False, olmo2=True),
+    # OLMo 2's layers, three in four windowed, the full ones alone scaled (YaRN, for the long contexts)
+    "Olmo3ForCausalLM": dict(olmo2=True, olmo3=True),
 }
 
 

@@ -194,14 +194,14 @@ def test_gemmas_norms_stay_float32_in_a_bfloat16_model(model_dirs):
     assert model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "smollm3", "granite", "phi4", "olmo2"])
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "smollm3", "granite", "phi4", "olmo2", "olmo3"])
 def test_steps_of_llamas_kin_run_in_one_c_call(model_dirs, arch):
     """Where the C kernels load, Gemma's, Gemma 2's, Gemma 3's, SmolLM3's, Granite's, Phi-4-mini's
     and OLMo 2's steps take the one-call C step (Gemma's GELU gate, sandwich norms, scaled
     embedding, Gemma 2's soft-capped scores, Gemma 3's windowed layers' own rotary table;
     SmolLM3's layers without rotary; Granite's scaled residual branches; Phi-4-mini's rotary over
-    part of each head; OLMo 2's norms after attention and the MLP and of q and k over all heads),
-    and match transformers as the op-by-op path does."""
+    part of each head; OLMo 2's norms after attention and the MLP and of q and k over all heads;
+    OLMo 3's windowed layers, rotated unscaled), and match transformers as the op-by-op path does."""
     llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=24)
     runner = llm.engine_core.model_runner
     if runner.c_kernels is None:
@@ -214,18 +214,19 @@ def test_steps_of_llamas_kin_run_in_one_c_call(model_dirs, arch):
     assert calls
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "smollm3", "granite", "phi4", "olmo2"])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "smollm3", "granite", "phi4", "olmo2", "olmo3"])
 def test_llamas_kin_on_the_torch_path_without_the_c_kernels(model_dirs, monkeypatch, arch):
     """Where the C kernels do not load, the decodes' window masks (the runner's, one per window
     of the model's), the plain product of Gemma 2's capped scores, SmolLM3's unrotated layers,
-    Granite's multipliers, Phi-4-mini's partial rotary and OLMo 2's norms match transformers too."""
+    Granite's multipliers, Phi-4-mini's partial rotary, OLMo 2's norms and OLMo 3's windows match
+    transformers too."""
     from streamserve.worker import model_runner
 
     monkeypatch.setattr(model_runner.cpu_kernels, "load", lambda: None)
     llm = LLM(model_dirs[arch], dtype="float32", kv_cache_memory="32MiB", max_num_batched_tokens=24)
     runner = llm.engine_core.model_runner
     assert runner.c_kernels is None and not runner.cpu_attention
-    assert runner.windows == ([16] if arch.startswith("gemma") else [])
+    assert runner.windows == ([16] if arch.startswith("gemma") or arch == "olmo3" else [])
     check_parity(llm, model_dirs[arch], num_prompts=5, new_tokens=12)
 
 
@@ -281,3 +282,27 @@ def test_hf_overrides_turn_yarn_on_over_config_json(tmp_path):
     check_parity(old, shipped, num_prompts=2, new_tokens=8)
     with pytest.raises(TypeError, match="hf_overrides must be dict"):
         LLM(plain, hf_overrides='{"max_position_embeddings": 32}')
+
+
+def test_an_olmo3_config_of_one_rope_scaling_scales_its_full_layers_alone(tmp_path):
+    """OLMo 3's config.json as transformers 4 wrote it: one rope_scaling (YaRN) and one rope_theta,
+    which transformers applies to the full-attention layers only, the windowed ones rotating by
+    the plain base: the same tokens as transformers."""
+    import json
+
+    from tiny_models import build_model
+
+    path = build_model(str(tmp_path / "olmo3"), "olmo3")
+    config = json.load(open(f"{path}/config.json"))
+    rope = config.pop("rope_parameters")
+    rope["full_attention"].pop("rope_theta")
+    # (OLMo 3's own base: transformers 5 reads this format's rope_theta for the full layers alone, the
+    # windowed ones taking Olmo3Config's default, which it is)
+    config["rope_theta"] = 500000.0
+    config["rope_scaling"] = {**rope["full_attention"], "factor": 8.0, "original_max_position_embeddings": 64}
+    json.dump(config, open(f"{path}/config.json", "w"))
+    llm = LLM(path, dtype="float32", kv_cache_memory="32MiB")
+    model = llm.engine_core.model_runner.model
+    assert model.arch.local_rope_theta == 500000.0 and model.arch.rope_scaling["rope_type"] == "yarn"
+    assert model.arch.max_position == 512
+    check_parity(llm, path, num_prompts=5, new_tokens=12)

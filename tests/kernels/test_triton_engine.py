@@ -142,12 +142,12 @@ def test_the_gpu_checks_parity_rows_on_the_cpu(tmp_path, monkeypatch):
 def test_the_gpu_checks_kin_rows_on_the_cpu(tmp_path, monkeypatch):
     """scripts/gpu_check.py's parity rows of Gemma 2 and Gemma 3 (windows, capped scores, their
     own rotary), SmolLM3 (a layer without rotary), Granite (its multipliers), Phi-4-mini (a
-    partial rotary) and OLMo 2 (its norms), and a tiny Qwen2's AWQ and GPTQ checkpoints, through
-    Triton's interpreter at tiny sizes: each matches transformers."""
+    partial rotary), OLMo 2 (its norms) and OLMo 3 (its windows), and a tiny Qwen2's AWQ and GPTQ
+    checkpoints, through Triton's interpreter at tiny sizes: each matches transformers."""
     gpu_check = import_gpu_check(monkeypatch)
     report = gpu_check.Report()
     gpu_check.kin_parity(report, torch.device("cpu"), str(tmp_path), smoke=True)
-    assert [(r["value"], r["ok"]) for r in report.rows] == [("4/4 prompts identical", True)] * 8
+    assert [(r["value"], r["ok"]) for r in report.rows] == [("4/4 prompts identical", True)] * 9
     assert "GPTQ" in report.rows[-1]["item"]
 
 
