@@ -331,3 +331,41 @@ def test_what_published_checkpoints_add_is_read_past(src, tmp_path):
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="'layers.1.self_attn.o_proj.bias' has no place in the model"):
         LLM(path, dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_a_lora_adapter_on_a_quantized_checkpoint(src, tmp_path, monkeypatch):
+    """vLLM serves LoRA adapters over AWQ and GPTQ models: an adapter of the original model on its
+    AWQ checkpoint gives transformers' tokens on the dequantized weights with the adapter merged;
+    and one sequence at a time, each decode step reading the blocks with the adapter added, each
+    token's logprob is transformers' for that token (teacher-forced: the blocks' int16
+    activations may tip a near tie)."""
+    from transformers import AutoModelForCausalLM
+
+    from lora_adapters import build_adapter, merge_adapter
+    from parity import assert_same_greedy, hf_reference, parity_prompts, tokens_and_logprobs
+    from streamserve import LoRARequest, SamplingParams
+    from streamserve.worker import model_runner
+
+    path, weights = quantized_model(src, tmp_path, "awq")
+    reference = qc.reference_dir(src, str(tmp_path / "reference"), weights)
+    adapter = build_adapter(str(tmp_path / "adapter"), src, rank=8, seed=1)
+    merged = merge_adapter(reference, adapter, str(tmp_path / "merged"))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    prompts = [p for p in parity_prompts()[:3]]
+    lora = LoRARequest("a", 1, adapter)
+
+    def run(**kwargs):
+        llm = LLM(path, dtype="float32", kv_cache_memory="16MiB", enable_lora=True, **kwargs)
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False, lora_request=lora)
+
+    with monkeypatch.context() as patch:  # the dequantized weights only
+        for name in ("QUANT_MAX_TOKENS", "QUANT_MAX_TOKENS_SEVERAL_STREAMS", "QUANT_MAX_TOKENS_FLOAT32"):
+            patch.setattr(model_runner, name, 0)
+        assert_same_greedy(run(), hf_reference(merged, 3, 12))
+    hf = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, run(max_num_seqs=1)):
+        tokens, logprobs = tokens_and_logprobs(output)
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        want = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        assert (want - torch.tensor(logprobs)).abs().max() < 1e-2
