@@ -47,8 +47,9 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             else:
                 if "default:" not in help_text:
                     help_text += " (default: %(default)s)"
-                group.add_argument(flag, dest=f.name, type=_json_object if kind is dict else kind, default=f.default,
-                                   help=help_text, nargs="+" if many else None)
+                short = [f.metadata["short"]] if "short" in f.metadata else []  # (vLLM's -q)
+                group.add_argument(flag, *short, dest=f.name, type=_json_object if kind is dict else kind,
+                                   default=f.default, help=help_text, nargs="+" if many else None)
 
 
 def _json_object(text: str) -> dict:

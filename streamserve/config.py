@@ -119,7 +119,7 @@ class ModelConfig:
     dtype: str = field(default="auto", metadata={
         "help": "weight and activation dtype: auto (the checkpoint's), float32, bfloat16, float16"})
     quantization: Optional[str] = field(default=None, metadata={
-        "help": "the checkpoint's quantization method, read from its config.json (awq, gptq, compressed-tensors, "
+        "short": "-q", "help": "the checkpoint's quantization method, read from its config.json (awq, gptq, compressed-tensors, "
                 "fp8; vLLM's awq_marlin and gptq_marlin name the first two), or gguf for a GGUF file: naming "
                 "another is refused"})
     max_model_len: Optional[int] = field(default=None, metadata={

@@ -39,6 +39,7 @@ def test_flags_become_config_kwargs():
     assert kwargs["model"] == "m" and kwargs["max_num_seqs"] == 7
     assert kwargs["enable_prefix_caching"] is False and kwargs["kv_cache_memory"] == "1GiB"
     assert kwargs["block_size"] == 16 and kwargs["max_num_batched_tokens"] is None  # the device's default
+    assert config_kwargs(build_parser().parse_args(["-q", "awq_marlin"]))["quantization"] == "awq_marlin"  # (vLLM's)
 
 
 def test_prompt_is_completed_greedily(llama_dir):
