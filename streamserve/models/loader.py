@@ -101,7 +101,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     elif model_config.quantization is not None:
         config = quantization_config(model_config.hf_config)
         logger.info("reading a checkpoint quantized with %s, its weights dequantized to %s",
-                    describe(model_config.quantization, config), str(dtype).removeprefix("torch."))
+                    describe(model_config.quantization, config), str(linear_dtype or dtype).removeprefix("torch."))
         dequantize = Dequantizer(model_config.quantization, config, checkpoint_names(model_config.model), keep_blocks)
         model.load_weights(dequantize(iterate_safetensors(model_config.model)))
         model.checkpoint_blocks = dequantize.blocks
