@@ -91,6 +91,7 @@ class Linear(nn.Module):
         self.low_precision_weight = copy.contiguous() if row_major else None
         if drop_full:
             self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+            del copy  # (the weight itself where it was in `dtype` already: let it go before the trim)
             release_freed_memory()  # (layer by layer: the copies do not pile up on the weights' freed pages)
 
     def keep_quantized(self, weight, gemv, max_rows: int) -> None:

@@ -101,7 +101,7 @@ class LlamaArch:
             scaling = {**scaling, "original_max_position_embeddings": original_context(cfg, scaling)}
         if rope_kind(scaling) == "longrope" and not scaling.get("factor"):  # (its attention factor's)
             scaling["factor"] = cfg.get("max_position_embeddings", 2048) / scaling["original_max_position_embeddings"]
-        theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or 10000.0
+        theta = cfg.get("rope_theta") or rope_params.get("rope_theta") or (500000.0 if olmo3 else 10000.0)
         if olmo3 and local_theta is None:  # (a config.json of one rope_scaling: the windowed layers' is plain)
             local_theta = theta
         if gemma:  # transformers' Gemma runs GELU's tanh form where a config says "gelu" (Gemma 1's do)
@@ -118,6 +118,8 @@ class LlamaArch:
         scalar = cfg.get("query_pre_attn_scalar") if gemma >= 2 else None
         if gemma >= 2:
             cfg = {"sliding_window": 4096, **cfg}  # (Gemma2Config's and Gemma3TextConfig's default)
+        if olmo3:
+            cfg = {"sliding_window": 4096, "rms_norm_eps": 1e-5, **cfg}  # (Olmo3Config's defaults)
         if nope and cfg.get("use_sliding_window") and not cfg.get("layer_types"):
             # (SmolLM3Config's: the layers without rotary are the windowed ones)
             cfg = {**cfg, "layer_types": ["full_attention" if r else "sliding_attention"

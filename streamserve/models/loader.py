@@ -89,8 +89,9 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     if linear_dtype is not None:
         for module in model.modules():
             if isinstance(module, Linear):
-                module.weight = nn.Parameter(module.weight.data.to(linear_dtype), requires_grad=False)
-        model.embed_tokens = UpcastEmbedding(model.embed_tokens.weight.data.to(linear_dtype), dtype)
+                # (empty, as the float32 ones were: converting those would read 4 bytes a weight for nothing)
+                module.weight = nn.Parameter(torch.empty_like(module.weight, dtype=linear_dtype), requires_grad=False)
+        model.embed_tokens = UpcastEmbedding(torch.empty_like(model.embed_tokens.weight, dtype=linear_dtype), dtype)
     model.tie_weights()
     if model.arch.norm_offset or model.arch.post_norms:  # Gemma's and OLMo 2's norms scale in float32
         for norm in model.modules():

@@ -33,6 +33,8 @@ def supported_architectures() -> list[str]:
 def build_model(hf_config: dict) -> LlamaForCausalLM:
     """An unloaded model for this config, or a clear error for an unknown architecture."""
     archs = hf_config.get("architectures") or []
+    if hf_config.get("model_type") == "olmo3":  # (vLLM's Olmo3Config names it Olmo2ForCausalLM in memory)
+        archs = ["Olmo3ForCausalLM"]
     for name in archs:
         if name in _ARCHITECTURES:
             kind = _ARCHITECTURES[name]

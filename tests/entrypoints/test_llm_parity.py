@@ -306,3 +306,18 @@ def test_an_olmo3_config_of_one_rope_scaling_scales_its_full_layers_alone(tmp_pa
     assert model.arch.local_rope_theta == 500000.0 and model.arch.rope_scaling["rope_type"] == "yarn"
     assert model.arch.max_position == 512
     check_parity(llm, path, num_prompts=5, new_tokens=12)
+
+
+def test_an_olmo3_config_missing_keys_takes_olmo3s_defaults():
+    """Olmo3Config's defaults where config.json leaves a key out (a window of 4096 on three layers
+    in four, eps 1e-5, base 500000), and model_type olmo3 under OLMo 2's architecture name (as
+    vLLM's Olmo3Config rewrites it) is still OLMo 3."""
+    from streamserve.models.registry import build_model as build
+
+    config = dict(architectures=["Olmo2ForCausalLM"], model_type="olmo3", vocab_size=64, hidden_size=32,
+                  intermediate_size=64, num_hidden_layers=4, num_attention_heads=2, max_position_embeddings=8192,
+                  rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024})
+    arch = build(config).arch
+    assert arch.layer_windows == (4096, 4096, 4096, 0) and arch.rms_norm_eps == 1e-5
+    assert arch.rope_theta == arch.local_rope_theta == 500000.0 and arch.rope_scaling["rope_type"] == "yarn"
+    assert arch.post_norms and arch.qk_norm_whole
