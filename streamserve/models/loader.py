@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from typing import Iterator, Optional
-
-import logging
 
 import torch
 from safetensors import safe_open
