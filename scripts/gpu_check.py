@@ -272,20 +272,26 @@ def kin_parity(report: Report, device: torch.device, work: str, smoke: bool) -> 
                        ("phi4", "a rotary over 3/4 of each head"), ("olmo2", "norms after, q/k normed whole"),
                        ("olmo3", "windows of 16, YaRN on full layers only")):
         model_dir = build_model(os.path.join(work, f"tiny-{arch}"), arch, seed=0)
-        expected = hf_greedy(model_dir, device, PARITY_PROMPTS, new_tokens)
-        try:
-            outs, replays, _ = greedy_run(model_dir, device, False, PARITY_PROMPTS, new_tokens)
-        except Exception as exc:
-            traceback.print_exc()
-            report.add("parity", f"tiny {arch} float32 ({what}): failed", f"{type(exc).__name__}: {str(exc)[:300]}",
-                       ok=False)
-            continue
-        finally:
-            free_memory()
-        same = sum(o == e for o, e in zip(outs, expected))
-        report.add("parity", f"tiny {arch} float32 ({what}), graphs ({replays} replays)",
-                   f"{same}/{len(PARITY_PROMPTS)} prompts identical", "all identical", same == len(PARITY_PROMPTS))
+        graphs_parity_row(report, device, f"tiny {arch} float32 ({what})", model_dir, model_dir, new_tokens)
     quantized_parity(report, device, work, new_tokens)
+
+
+def graphs_parity_row(report: Report, device: torch.device, label: str, model_dir: str, reference_dir: str,
+                      new_tokens: int) -> None:
+    """One parity row: `model_dir` on the graphs engine against transformers' greedy tokens on
+    `reference_dir` (a failure of the engine is the row's value)."""
+    expected = hf_greedy(reference_dir, device, PARITY_PROMPTS, new_tokens)
+    try:
+        outs, replays, _ = greedy_run(model_dir, device, False, PARITY_PROMPTS, new_tokens)
+    except Exception as exc:
+        traceback.print_exc()
+        report.add("parity", f"{label}: failed", f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
+        return
+    finally:
+        free_memory()
+    same = sum(o == e for o, e in zip(outs, expected))
+    report.add("parity", f"{label}, graphs ({replays} replays)", f"{same}/{len(PARITY_PROMPTS)} prompts identical",
+               "all identical", same == len(PARITY_PROMPTS))
 
 
 def quantized_parity(report: Report, device: torch.device, work: str, new_tokens: int) -> None:
@@ -300,18 +306,7 @@ def quantized_parity(report: Report, device: torch.device, work: str, new_tokens
                        ("GPTQ 4-bit act-order", lambda d: qc.write_gptq(src, d, sym=False, desc_act=True))):
         path = os.path.join(work, "tiny-qwen2-" + fmt.split()[0].lower())
         reference = qc.reference_dir(src, path + "-reference", write(path))
-        expected = hf_greedy(reference, device, PARITY_PROMPTS, new_tokens)
-        try:
-            outs, replays, _ = greedy_run(path, device, False, PARITY_PROMPTS, new_tokens)
-        except Exception as exc:
-            traceback.print_exc()
-            report.add("parity", f"tiny qwen2 {fmt}: failed", f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
-            continue
-        finally:
-            free_memory()
-        same = sum(o == e for o, e in zip(outs, expected))
-        report.add("parity", f"tiny qwen2 {fmt} (dequantized at load), graphs ({replays} replays)",
-                   f"{same}/{len(PARITY_PROMPTS)} prompts identical", "all identical", same == len(PARITY_PROMPTS))
+        graphs_parity_row(report, device, f"tiny qwen2 {fmt} (dequantized at load)", path, reference, new_tokens)
 
 
 def lora_parity(report: Report, device: torch.device, work: str, smoke: bool) -> None:
