@@ -63,11 +63,16 @@ def pack_along_last(values: torch.Tensor, bits: int, order=None) -> torch.Tensor
     return word.to(torch.int64).where(word < 2 ** 31, word - 2 ** 32).to(torch.int32)
 
 
-def _copy_model_files(src: str, dst: str, quantization_config: dict) -> None:
+def _copy_files(src: str, dst: str) -> None:
+    """`src`'s files but its weights (config, tokenizer, ...) into `dst`."""
     os.makedirs(dst, exist_ok=True)
     for name in os.listdir(src):
         if name != "model.safetensors" and os.path.isfile(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), dst)
+
+
+def _copy_model_files(src: str, dst: str, quantization_config: dict) -> None:
+    _copy_files(src, dst)
     config = json.load(open(os.path.join(src, "config.json")))
     config["quantization_config"] = quantization_config
     json.dump(config, open(os.path.join(dst, "config.json"), "w"), indent=1)
@@ -77,10 +82,7 @@ def reference_dir(src: str, dst: str, weights: dict[str, torch.Tensor]) -> str:
     """A plain copy of `src` whose weights `weights` replace (transformers' oracle)."""
     tensors = linear_weights(src)
     tensors.update({k: v.to(tensors[k].dtype).contiguous() for k, v in weights.items()})
-    os.makedirs(dst, exist_ok=True)
-    for name in os.listdir(src):
-        if os.path.isfile(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), dst)
+    _copy_files(src, dst)
     save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     return dst
 
