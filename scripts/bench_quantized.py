@@ -8,14 +8,22 @@ bfloat16 model; then, round after round, the same requests decode on each of the
 (alternating, so that the machine's noise falls on both alike), and the script prints output
 tokens/s and the ratio to bfloat16's.
 
+With --cpu-weights quantized copies, each format is loaded twice, its layers holding their
+blocks alone and with 16-bit copies beside them (--cpu-weights), and the two decode beside
+bfloat16's; --prompt N also times a prefill of N tokens (one request, one output token) the
+same way. Each model's line gives the bytes its weights and copies hold.
+
     python scripts/bench_quantized.py                          # SmolLM2-135M's shape
     python scripts/bench_quantized.py --shape olmo2-1b --rounds 2 --batch 1 4
+    python scripts/bench_quantized.py --shape olmo2-1b --formats awq-4bit --cpu-weights quantized copies \
+        --batch 1 8 32 --prompt 512
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
 import statistics
 import sys
@@ -52,6 +60,37 @@ def decode_rate(llm, batch: int, tokens: int, vocab: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
 
+PREFILLS = itertools.count()
+
+
+def prefill_rate(llm, tokens: int, vocab: int) -> float:
+    """Prompt tokens/s of one request of `tokens` tokens that outputs one (a prompt no earlier
+    call had: its first token differs, so nothing of it is in the prefix cache)."""
+    from streamserve import SamplingParams
+
+    first = next(PREFILLS)
+    prompt = {"prompt_token_ids": [3 + (first + j * 13) % (vocab - 3) for j in range(tokens)]}
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    return tokens / (time.perf_counter() - start)
+
+
+def weight_bytes(llm) -> int:
+    """The bytes of the model's tensors: weights, their copies and quantized blocks (each storage once)."""
+    from streamserve.models.layers import Linear
+
+    model = llm.engine_core.model_runner.model
+    tensors = list(model.parameters()) + list(model.buffers())
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.replace_copies(lambda t: tensors.append(t) or t)
+    seen = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
 def main() -> None:
     from bench_throughput import SHAPES, random_shaped
 
@@ -61,6 +100,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="output tokens a request")
     parser.add_argument("--formats", nargs="+", default=["gptq-4bit", "awq-4bit", "w8a8-int8"])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="requests decoding at once")
+    parser.add_argument("--cpu-weights", nargs="+", default=["auto"], choices=["auto", "quantized", "copies"],
+                        help="load each format so (--cpu-weights), each beside the others")
+    parser.add_argument("--prompt", type=int, default=0, help="also time a prefill of this many tokens")
     args = parser.parse_args()
 
     from streamserve import LLM
@@ -72,22 +114,36 @@ def main() -> None:
     group = next(g for g in (128, 64, 32) if dims["hidden_size"] % g == 0 and dims["intermediate_size"] % g == 0)
     paths = write_formats(src, os.path.join(root, f"group{group}"), group)
     vocab = dims["vocab_size"]
-    base = LLM(paths.pop("bf16"), kv_cache_memory="256MiB", max_model_len=512)
+    max_len = max(512, args.prompt + 16)
+    base = LLM(paths.pop("bf16"), kv_cache_memory="256MiB", max_model_len=max_len)
     decode_rate(base, 1, 8, vocab)  # warm-up
-    for name, path in [(f, paths[f]) for f in args.formats]:  # one at a time beside bfloat16's (a 1B model's load peaks at 8 GB)
-        llm = LLM(path, kv_cache_memory="256MiB", max_model_len=512)
-        decode_rate(llm, 1, 8, vocab)
-        for batch in args.batch:
-            rates: dict[str, list[float]] = {"bf16": [], name: []}
+    print(f"{args.shape} bf16: weights hold {weight_bytes(base) / 2**30:.2f} GiB", flush=True)
+    for name in args.formats:  # one at a time beside bfloat16's (a 1B model's load peaks at 8 GB)
+        llms = {}
+        for how in args.cpu_weights:
+            label = name if len(args.cpu_weights) == 1 else f"{name} {how}"
+            llms[label] = LLM(paths[name], kv_cache_memory="256MiB", max_model_len=max_len, cpu_weights=how)
+            decode_rate(llms[label], 1, 8, vocab)
+            print(f"{args.shape} {label}: weights hold {weight_bytes(llms[label]) / 2**30:.2f} GiB", flush=True)
+        runs = [(f"batch {batch}", lambda llm, b=batch: decode_rate(llm, b, args.tokens, vocab), "output")
+                for batch in args.batch]
+        if args.prompt:
+            for llm in [base, *llms.values()]:
+                prefill_rate(llm, args.prompt, vocab)  # (the first step of a size is slower)
+            runs.append((f"prefill {args.prompt}", lambda llm: prefill_rate(llm, args.prompt, vocab), "prompt"))
+        for what, run, unit in runs:
+            rates: dict[str, list[float]] = {"bf16": [], **{label: [] for label in llms}}
             for _ in range(args.rounds):
-                rates["bf16"].append(decode_rate(base, batch, args.tokens, vocab))
-                rates[name].append(decode_rate(llm, batch, args.tokens, vocab))
-            ratio = statistics.median(rates[name]) / statistics.median(rates["bf16"])
-            print(f"{args.shape} batch {batch}: {name:10s} x{ratio:.2f} bf16's: " + "; ".join(
-                f"{n} {statistics.median(r):.1f} tok/s ({', '.join(f'{x:.1f}' for x in r)})" for n, r in rates.items()),
-                flush=True)
-        del llm
+                rates["bf16"].append(run(base))
+                for label, llm in llms.items():
+                    rates[label].append(run(llm))
+            base_rate = statistics.median(rates["bf16"])
+            print(f"{args.shape} {what}: " + "; ".join(
+                f"{n} {statistics.median(r):.1f} {unit} tok/s x{statistics.median(r) / base_rate:.2f} "
+                f"({', '.join(f'{x:.1f}' for x in r)})" for n, r in rates.items()), flush=True)
+        del llms
         gc.collect()
+
 
 if __name__ == "__main__":
     main()

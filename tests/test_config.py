@@ -81,7 +81,7 @@ def test_the_step_budget_defaults_by_device(model_dir):
 def test_every_field_is_a_keyword_of_one_part():
     names = [f.name for fields in Config.part_fields().values() for f in fields]
     assert len(names) == len(set(names))
-    assert {"model", "gguf_file", "tokenizer", "chat_template", "dtype", "quantization", "max_model_len", "seed", "block_size",
+    assert {"model", "gguf_file", "tokenizer", "chat_template", "dtype", "quantization", "cpu_weights", "max_model_len", "seed", "block_size",
             "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization",
             "num_gpu_blocks_override", "kv_cache_dtype", "max_num_seqs", "scheduling_policy",
             "max_num_batched_tokens", "speculative_config", "device", "kernel_backend",
@@ -329,6 +329,16 @@ def test_kv_cache_dtype_setting(model_dir):
     assert Config.from_kwargs(model=model_dir, kv_cache_dtype="float16").cache.kv_cache_dtype == "float16"
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' must be auto, float32 or float16"):
         Config.from_kwargs(model=model_dir, kv_cache_dtype="fp8")
+
+
+def test_cpu_weights_setting(model_dir):
+    from streamserve.cli import build_parser
+
+    assert Config.from_kwargs(model=model_dir).model.cpu_weights == "auto"
+    assert Config.from_kwargs(model=model_dir, cpu_weights="quantized").model.cpu_weights == "quantized"
+    with pytest.raises(ValueError, match="cpu_weights 'int4' must be auto, quantized or copies"):
+        Config.from_kwargs(model=model_dir, cpu_weights="int4")
+    assert build_parser().parse_args(["--cpu-weights", "copies"]).cpu_weights == "copies"
 
 
 def test_kv_cache_smaller_than_one_sequence(llama_dir, caplog):

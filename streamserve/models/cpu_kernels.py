@@ -235,7 +235,9 @@ def _build(compiler: str, flags: tuple[str, ...] = ()) -> str:
 class CpuKernels:
     """gemm[dtype](x [M, K] float32, w: PackedWeight of dtype) -> [M, N] float32, x @ w.T, for
     bfloat16, float16 and float32 weights; quant_gemv[kind](x, blocks) likewise for a QuantizedWeight's
-    blocks (models/quantized.py: BLOCKS); rms_norm / fused_add_rms_norm with
+    blocks (models/quantized.py: BLOCKS), in integers for a few vectors and from
+    quant_dequantized_min_rows[bf16] on through its rows dequantized as they are read (to
+    bfloat16 with `bf16=True` where the build has AVX512-BF16, else to float32); rms_norm / fused_add_rms_norm with
     streamserve_kernels.norm's interface (float32, [T, H] contiguous), so RMSNorm takes either
     as its `kernels`;
     paged_decode_attention and paged_prefill_attention for TorchPagedAttention's decode rows
@@ -251,6 +253,10 @@ class CpuKernels:
         self.vector_bits: int = lib.cpu_kernels_vector_bits()
         self.bf16_dot_min_rows: int = lib.cpu_kernels_bf16_dot_min_rows()
         self.amx_min_rows: int = lib.cpu_kernels_amx_min_rows()
+        # from how many vectors quant_gemv dequantizes its rows, with bf16=True and without
+        dequantized = lib.cpu_kernels_quant_dequantized_min_rows
+        dequantized.argtypes, dequantized.restype = [ctypes.c_long], ctypes.c_int
+        self.quant_dequantized_min_rows = {bf16: dequantized(int(bf16)) for bf16 in (True, False)}
         # whether small steps read their weights as several streams a thread (csrc: several_streams)
         self.several_streams = bool(lib.cpu_kernels_several_streams())
         self.gemm: dict[torch.dtype, Callable[[torch.Tensor, PackedWeight], torch.Tensor]] = {}
@@ -265,7 +271,7 @@ class CpuKernels:
         row_bytes.argtypes, row_bytes.restype = [ctypes.c_long] * 2, ctypes.c_long
         for kind in BLOCKS:
             fn = getattr(lib, f"gemv_{kind}")
-            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 3
+            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 4
             fn.restype = ctypes.c_int
             self.quant_gemv[kind] = _wrap_quant_gemv(fn, kind, lambda k, t=_QUANT_KINDS[kind]: row_bytes(t, k))
         self._rows = lib.packed_rows
@@ -497,7 +503,9 @@ def _wrap_gemm(fn, dtype: torch.dtype):
 def _wrap_quant_gemv(fn, kind: str, row_bytes: Callable[[int], int]) -> Gemv:
     block_weights = BLOCKS[kind][0]
 
-    def gemv(x: torch.Tensor, w: PackedQuant) -> torch.Tensor:
+    def gemv(x: torch.Tensor, w: PackedQuant, bf16: bool = False) -> torch.Tensor:
+        """x @ w.T; `bf16`: from quant_dequantized_min_rows[True] vectors on, bfloat16 dot products
+        where the build takes them (a bfloat16 model's arithmetic), else float32."""
         x = x.contiguous()
         (m, k), n = x.shape, w.rows.shape[0]
         if (x.dtype != torch.float32 or k % block_weights or w.kind != kind or w.in_features != k
@@ -506,8 +514,8 @@ def _wrap_quant_gemv(fn, kind: str, row_bytes: Callable[[int], int]) -> Gemv:
                              f"{kind} rows of K weights packed by pack_quantized; got x {x.dtype} {tuple(x.shape)}, "
                              f"{w.kind} rows {w.rows.dtype} {tuple(w.rows.shape)} of {w.in_features} weights")
         y = torch.empty(m, n)
-        if fn(x.data_ptr(), w.rows.data_ptr(), y.data_ptr(), m, n, k):
-            raise MemoryError("the quantized GEMV found no memory for its int16 activations")
+        if fn(x.data_ptr(), w.rows.data_ptr(), y.data_ptr(), m, n, k, int(bf16)):
+            raise MemoryError("the quantized GEMV found no memory for its int16 activations or its strips")
         return y
     return gemv
 
@@ -592,6 +600,8 @@ class StepForward:
             return t.data_ptr()
 
         def weights(linear):
+            if linear.only_quantized:  # (its blocks for every step)
+                return (_Weight * 2)((ptr(linear.quantized.rows), _QUANT_KINDS[linear.quantized.kind]), (None, 0))
             pair = (_Weight * 2)((ptr(linear.packed.panels), _WEIGHT_DTYPES[linear.packed.dtype]), (None, 0))
             if linear.quantized is not None:
                 pair[1] = _Weight(ptr(linear.quantized.rows), _QUANT_KINDS[linear.quantized.kind])
@@ -650,7 +660,7 @@ class StepForward:
                     a, b = (w.float().cpu() for w in weights)
                     if a.shape[0] % 2:  # an odd rank: a zero row of a and column of b (bfloat16 pairs)
                         a, b = F.pad(a, (0, 0, 0, 1)), F.pad(b, (0, 1))
-                    dtype = linear.packed.dtype
+                    dtype = linear.packed.dtype if linear.packed is not None else torch.float32
                     packed_a, packed_b = pack_weight(a.to(dtype)).panels, pack_weight(b.to(dtype)).panels
                     tensors += [packed_a, packed_b]
                     pair.a = _Weight(packed_a.data_ptr(), _WEIGHT_DTYPES[dtype])
@@ -692,10 +702,12 @@ class StepForward:
                 return "it norms q or k alone"
             floats += [norm.weight for norm in (attn.q_norm, attn.k_norm) if norm is not None]
             linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if any(lin.packed is None or lin.packed.dtype not in _WEIGHT_DTYPES for lin in linears) \
+            packed = [lin for lin in linears if not lin.only_quantized]
+            if any(lin.packed is None or lin.packed.dtype not in _WEIGHT_DTYPES for lin in packed) \
                     or any(lin.bias is not None for lin in linears[1:]):
-                return "its linear weights are not all packed float32, bfloat16 or float16, without bias"
-            if any(lin.packed.dtype == torch.bfloat16 and lin.in_features % 2 for lin in linears):
+                return ("its linear weights are not all packed float32, bfloat16 or float16 or quantized blocks, "
+                        "without bias")
+            if any(lin.packed.dtype == torch.bfloat16 and lin.in_features % 2 for lin in packed):
                 return "a bfloat16 weight has an odd number of columns (the C GEMM reads them in pairs)"
         if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() for t in floats):
             return "it does not compute in float32 on the CPU"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -84,7 +85,9 @@ class Linear(nn.Module):
         """Keep `dtype` copies of the weight: packed for `gemm(x, packed)` (cpu_kernels:
         CpuKernels.gemm) for inputs of at most `packed_max_rows` rows when `gemm` is given, and
         row-major for torch when `row_major`; with `drop_full`, only the copies (every call must
-        then pass low_precision)."""
+        then pass low_precision). A layer that holds only quantized blocks keeps none."""
+        if self.only_quantized:
+            return
         copy = self.weight.detach().to(dtype)
         if gemm is not None:
             self.packed, self.gemm, self.packed_max_rows = pack_weight(copy), gemm, packed_max_rows
@@ -94,16 +97,27 @@ class Linear(nn.Module):
             del copy  # (the weight itself where it was in `dtype` already: let it go before the trim)
             release_freed_memory()  # (layer by layer: the copies do not pile up on the weights' freed pages)
 
-    def keep_quantized(self, weight, gemv, max_rows: int) -> None:
+    def keep_quantized(self, weight, gemv, max_rows: int, only: bool = False) -> None:
         """Read `weight` (a QuantizedWeight of this layer's shape), packed for `gemv(x, packed)`
         (cpu_kernels: pack_quantized, CpuKernels.quant_gemv), for low-precision inputs of at most
-        `max_rows` rows."""
+        `max_rows` rows; with `only`, for every low-precision input, in place of the weight and
+        any copy of it (which go: the layer then holds the blocks' bytes alone)."""
         blocks, (_, block_bytes) = weight.blocks, BLOCKS[weight.kind]
         if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous()
                 or blocks.shape[1] % block_bytes or weight.shape != (self.out_features, self.in_features)):
             raise ValueError(f"{weight.kind} blocks {blocks.dtype} {tuple(blocks.shape)} do not hold a "
                              f"{(self.out_features, self.in_features)} layer's weight")
         self.quantized, self.quant_gemv, self.quant_max_rows = pack_quantized(weight), gemv, max_rows
+        if only:
+            self.quant_max_rows = sys.maxsize
+            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+            self.packed = self.low_precision_weight = None
+            release_freed_memory()
+
+    @property
+    def only_quantized(self) -> bool:
+        """Whether the layer holds its quantized blocks alone (keep_quantized's `only`)."""
+        return self.quantized is not None and self.packed is None and self.weight.numel() == 0
 
     def replace_copies(self, replace: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Put `replace(t)` (the same values, held elsewhere) in place of each copy t it keeps:

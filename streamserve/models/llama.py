@@ -472,10 +472,11 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.embed_tokens, PackedEmbedding):
             self.embed_tokens.packed = self.lm_head.packed
 
-    def keep_quantized(self, weights: dict, gemvs: dict, max_rows: int) -> list[str]:
+    def keep_quantized(self, weights: dict, gemvs: dict, max_rows: int, only: bool = False) -> list[str]:
         """Give each linear layer whose checkpoint tensors are all in `weights` (Hugging Face
         name -> QuantizedWeight, one kind) its blocks, read by `gemvs[kind]` for steps of at
-        most `max_rows` rows. Returns the layers that got them."""
+        most `max_rows` rows, or with `only` for every step, in place of its weight (but a head
+        tied to the embedding keeps that). Returns the layers that got them."""
         pieces: dict[str, list[str]] = {}
         for piece, (fused, shard) in sorted(self.STACKED.items(), key=lambda item: item[1]):
             pieces.setdefault(fused, []).append(piece)
@@ -494,7 +495,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             stacked = QuantizedWeight.stacked([weights[n] for n in names])
             if stacked is not None and stacked.kind in gemvs:
-                module.keep_quantized(stacked, gemvs[stacked.kind], max_rows)
+                tied = name == "lm_head" and self.arch.tie_word_embeddings
+                module.keep_quantized(stacked, gemvs[stacked.kind], max_rows, only and not tied)
                 kept.append(name)
         return kept
 

@@ -11,8 +11,10 @@ differs from the token its row sampled, plus that token (or the last row's, all 
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import os
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -62,11 +64,22 @@ C_STEP_MAX_TOKENS = 256
 QUANT_MAX_TOKENS = 4  # where the layers keep half-size copies
 QUANT_MAX_TOKENS_SEVERAL_STREAMS = 3  # likewise, where small steps read several streams a thread
 QUANT_MAX_TOKENS_FLOAT32 = 8  # where they read float32 weights (a float32 checkpoint)
+# --cpu-weights auto: quantized layers hold their blocks alone where their copies would take more
+# than this share of the machine's memory
+QUANTIZED_ONLY_SHARE = 0.25
 # The most KV splits a decode sequence gets in the Triton split-KV kernel (its workspace size).
 MAX_DECODE_SPLITS = 16
 # Prompt logprobs take the head over this many prompt rows at a time: a 2048-token chunk at
 # once would be [2048, vocab] float32 logits and their log-softmax (0.8 GB at SmolLM2's 49152).
 PROMPT_LOGPROBS_ROWS = 256
+
+
+def total_memory_bytes() -> int:
+    """The machine's memory (4 GiB where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 4 << 30
 
 
 def native_half_gemms(dtype: torch.dtype) -> bool:
@@ -148,6 +161,15 @@ class ModelRunner:
         # GEMM of its larger steps and its prefill attention do (x, q, K, V rounded to bfloat16).
         self.bf16_dot = (self.c_kernels is not None and low_precision == torch.bfloat16
                          and self.c_kernels.bf16_dot_min_rows > 0)
+        self.quant_max_tokens = (
+            QUANT_MAX_TOKENS_FLOAT32 if low_precision is None
+            else QUANT_MAX_TOKENS_SEVERAL_STREAMS if self.c_kernels is not None and self.c_kernels.several_streams
+            else QUANT_MAX_TOKENS)
+        blocks = self._quantized_blocks(config.model.model) if self.c_kernels is not None else {}
+        self.quantized_only = bool(blocks) and self._choose_quantized_only(
+            config.model.cpu_weights, blocks, 4 if low_precision is None else 2)
+        if self.quantized_only:  # (first: these layers' weights go before the others' copies are made)
+            self._keep_quantized(blocks, half_copies=False, only=True)
         if self.c_kernels is not None:
             # Every step reads packed copies (in the checkpoint's dtype) through the C GEMM, but
             # where torch's native half-precision GEMMs (AMX) take the GEMMs of more than
@@ -175,12 +197,8 @@ class ModelRunner:
             logger.info("computing in float32, with %s weight copies read by torch for steps of at most %d tokens",
                         half, LOW_PRECISION_MAX_TOKENS)
             self.model.keep_copies(low_precision)
-        self.quant_max_tokens = (
-            QUANT_MAX_TOKENS_FLOAT32 if low_precision is None
-            else QUANT_MAX_TOKENS_SEVERAL_STREAMS if self.c_kernels is not None and self.c_kernels.several_streams
-            else QUANT_MAX_TOKENS)
-        if self.c_kernels is not None:
-            self._keep_quantized(config.model.model, half_copies=low_precision is not None)
+        if blocks and not self.quantized_only:
+            self._keep_quantized(blocks, half_copies=low_precision is not None)
         if self.device.type == "cpu":
             self.model.move_copies(cpu_kernels.onto_huge_pages)
             cpu_kernels.release_freed_memory()
@@ -223,27 +241,55 @@ class ModelRunner:
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
                                       -(-config.model.max_model_len // self.block_size))
 
-    def _keep_quantized(self, model_dir: str, half_copies: bool) -> None:
-        """Give the linear layers of a model converted from GGUF, or of a quantized checkpoint
-        (models/quantization.py), their quantized blocks (`half_copies`: the other steps read
-        16-bit copies)."""
-        weights = read_quantized(model_dir) or self.model.checkpoint_blocks
-        if not weights:
-            return
+    def _quantized_blocks(self, model_dir: str) -> dict:
+        """The quantized blocks of a model converted from GGUF, or of a quantized checkpoint
+        (models/quantization.py): Hugging Face name -> QuantizedWeight, or {}."""
+        weights = read_quantized(model_dir)
+        self.blocks_origin = "GGUF's" if weights else "checkpoint's"
+        weights = weights or self.model.checkpoint_blocks
+        self.model.checkpoint_blocks = {}  # (the layers take what they read)
+        return weights
+
+    def _choose_quantized_only(self, asked: str, blocks: dict, copy_bytes: int) -> bool:
+        """Whether the layers that have quantized blocks hold them alone (--cpu-weights): where
+        asked, or for "auto" where their copies of `copy_bytes` bytes a weight would take more
+        than QUANTIZED_ONLY_SHARE of the machine's memory. Steps of more than a few tokens read
+        the blocks more slowly than copies (scripts/bench_quantized.py --cpu-weights quantized
+        copies): a small model keeps both; a large one, whose copies are what would not fit,
+        keeps its blocks alone."""
+        if asked != "auto":
+            return asked == "quantized"
+        copies = sum(w.shape[0] * w.shape[1] for w in blocks.values()) * copy_bytes
+        only = copies > QUANTIZED_ONLY_SHARE * total_memory_bytes()
+        logger.info("--cpu-weights auto: %s (their %s copies would take %.2f GiB, the machine has %.1f GiB)",
+                    "the quantized layers hold their blocks alone" if only else "the quantized layers keep copies too",
+                    "16-bit" if copy_bytes == 2 else "float32", copies / 2**30, total_memory_bytes() / 2**30)
+        return only
+
+    def _keep_quantized(self, weights: dict, half_copies: bool, only: bool = False) -> None:
+        """Give the linear layers their quantized `weights` (`half_copies`: the other steps read
+        16-bit copies; `only`: every step reads the blocks, the layers keep nothing else)."""
         if half_copies and {w.kind for w in weights.values()} == {"q8_0"}:
             # Q8_0's blocks save half of bfloat16's bytes, not three quarters: a 1B-shaped W8A8
             # checkpoint decoded 1.13-1.16x faster from them at batch 1 but 0.80-0.93x at 2 to 4
             # (scripts/bench_quantized.py --shape olmo2-1b --formats w8a8-int8, Zen 4, 2026-12-04)
             self.quant_max_tokens = min(self.quant_max_tokens, 1)
-        kept = self.model.keep_quantized(weights, self.c_kernels.quant_gemv, self.quant_max_tokens)
+        # (larger steps' strips of dequantized rows take bfloat16 dot products where the packed GEMM does)
+        gemvs = {kind: functools.partial(gemv, bf16=self.bf16_dot) for kind, gemv in self.c_kernels.quant_gemv.items()}
+        kept = self.model.keep_quantized(weights, gemvs, self.quant_max_tokens, only)
         if kept:
-            self.low_precision_max_tokens = max(self.low_precision_max_tokens, self.quant_max_tokens)
+            self.low_precision_max_tokens = max(self.low_precision_max_tokens,
+                                                sys.maxsize if only else self.quant_max_tokens)
         total = sum(isinstance(m, Linear) for m in self.model.modules())
-        logger.info("steps of at most %d tokens read the %s quantized blocks of %d of %d linear layers "
-                    "(those of %s tensors)", self.quant_max_tokens,
-                    "checkpoint's" if self.model.checkpoint_blocks else "GGUF's", len(kept), total,
-                    ", ".join(kind.upper() for kind in BLOCKS))
-        self.model.checkpoint_blocks = {}  # (the layers hold what they read)
+        origin = self.blocks_origin
+        if only:
+            logger.info("every step reads the %s quantized blocks of %d of %d linear layers (those of %s "
+                        "tensors; --cpu-weights), which keep no other copy", origin, len(kept), total,
+                        ", ".join(kind.upper() for kind in BLOCKS))
+        else:
+            logger.info("steps of at most %d tokens read the %s quantized blocks of %d of %d linear layers "
+                        "(those of %s tensors)", self.quant_max_tokens, origin, len(kept), total,
+                        ", ".join(kind.upper() for kind in BLOCKS))
 
     # -- sizing ------------------------------------------------------------------
 

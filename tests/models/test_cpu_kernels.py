@@ -232,25 +232,64 @@ QUANT_BUILDS = BUILDS[:2]
 @pytest.mark.parametrize("build", QUANT_BUILDS)
 @pytest.mark.parametrize("kind,n,k", QUANT_SHAPES)
 # tiles of 4 vectors, and what is left; one or two vectors, rows of w one at a time (one stream a
-# thread) or in threes (several)
-@pytest.mark.parametrize("m,several", [(1, False), (1, True), (2, False), (2, True), (3, None), (4, None),
-                                       (5, None), (9, None)])
-def test_quantized_kernel_matches_the_dequantized_weight(kind, m, several, n, k, build):
+# thread) or in threes (several); dequantized rows (quant_dequantized_min_rows): with bfloat16
+# dot products (bf16, where the build has them) from 8 vectors on, strips in tiles of 4 vectors
+# by 3 rows and what is left of either; in float32 from 64 on, panels
+@pytest.mark.parametrize("m,several,bf16", [(1, False, False), (1, True, False), (2, False, False),
+                                            (2, True, False), (3, None, False), (4, None, False),
+                                            (5, None, False), (7, None, True), (8, None, False), (8, None, True),
+                                            (13, None, True), (66, None, False)])
+def test_quantized_kernel_matches_the_dequantized_weight(kind, m, several, n, k, build, bf16):
     weight = quantized(kind, n, k, seed=m * 1000 + n + k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(n))
     x[0, :32] = 0.0  # a block of zeros (its int16 scale is 0)
     x[-1, 5] = 1e4  # an outlier: its block loses precision, no other does
     lib = built(build)
     with streams(lib, several) if several is not None else contextlib.nullcontext():
-        y = lib.quant_gemv[kind](x, cpu_kernels.pack_quantized(weight))
+        y = lib.quant_gemv[kind](x, cpu_kernels.pack_quantized(weight), bf16=bf16)
+    assert_quantized_product(lib, x, weight, y, bf16)
+
+
+def assert_quantized_product(lib: cpu_kernels.CpuKernels, x: torch.Tensor, weight: QuantizedWeight,
+                             y: torch.Tensor, bf16: bool) -> None:
+    """y is x @ w.T for the blocks' exact weights w, as the kernel for x's size computes it
+    (`bf16`: as asked of it)."""
+    m, n = x.shape[0], weight.shape[0]
     w = weight.dequantize().double()
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    magnitude = x.double().abs() @ w.abs().t()
+    if m >= lib.quant_dequantized_min_rows[bf16]:
+        # Strips of dequantized rows: exactly the weights (rounded to bfloat16 where the build
+        # takes bfloat16 dot products, and x with them), then float32 sums.
+        if bf16 and lib.bf16_dot_min_rows:
+            x, w = x.bfloat16(), w.bfloat16()
+        ref = x.double() @ w.double().t()
+        assert ((y.double() - ref).abs() <= 1e-5 * magnitude + 1e-6).all()
+        return
     ref = x.double() @ w.t()
     # The kernel's only error besides float32 rounding: each block of x as int16 times its scale,
     # off by at most half a step (its largest magnitude / 32767 / 2) per value.
     step = x.reshape(m, -1, 32).abs().amax(-1).double() / 32767
     bound = torch.einsum("mb,nbj->mn", step / 2, w.abs().reshape(n, -1, 32))
-    assert y.shape == (m, n) and y.dtype == torch.float32
-    assert ((y.double() - ref).abs() <= bound + 1e-5 * (x.double().abs() @ w.abs().t()) + 1e-6).all()
+    assert ((y.double() - ref).abs() <= bound + 1e-5 * magnitude + 1e-6).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", QUANT_BUILDS)
+@pytest.mark.parametrize("kind", list(BLOCKS))
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+def test_quantized_kernel_takes_many_strips(kind, build, bf16):
+    """bfloat16: rows of 4096 weights fill a strip's scratch at 24 rows: 53 rows are several
+    strips and a last one of 5 (a tile of 3 rows and one of 2), each thread taking its own;
+    30 vectors, tiles of 4 and 2 left. float32: panels of 16 rows (in pairs with AVX-512), the
+    last of 5, against 70 vectors (tiles of 12, or 6, and what is left)."""
+    lib = built(build)
+    weight = quantized(kind, 53, 4096, seed=7)
+    m = 30 if bf16 and lib.bf16_dot_min_rows else 70
+    assert m >= lib.quant_dequantized_min_rows[bf16]
+    x = torch.randn(m, 4096, generator=torch.Generator().manual_seed(3))
+    y = lib.quant_gemv[kind](x, cpu_kernels.pack_quantized(weight), bf16=bf16)
+    assert_quantized_product(lib, x, weight, y, bf16)
 
 
 @needs_kernel
@@ -276,7 +315,7 @@ def test_packed_quantized_rows_hold_the_blocks_bytes(kind):
 def test_quantized_kernel_keeps_tiny_blocks_and_propagates_nan(kind):
     """A block of activations near 1e-36 keeps its values (32767 / its largest overflowed to
     inf, and every value became -32768: the sign flipped); a NaN or inf activation makes the
-    outputs it reaches NaN (they came out finite, from saturated int16s)."""
+    outputs it reaches NaN, or at least not finite (they came out finite, from saturated int16s)."""
     weight = quantized(kind, 3, 256, seed=1)
     packed = cpu_kernels.pack_quantized(weight)
     w = weight.dequantize().double()
@@ -284,10 +323,13 @@ def test_quantized_kernel_keeps_tiny_blocks_and_propagates_nan(kind):
     ref = x.double() @ w.t()
     y = kernels.quant_gemv[kind](x, packed).double()
     assert ((y - ref).abs().max() / ref.abs().max()).item() < 1e-2
-    x = torch.randn(3, 256)
-    x[0, 3], x[1, 40] = float("nan"), float("inf")
-    y = kernels.quant_gemv[kind](x, packed)
-    assert y[:2].isnan().all() and y[2].isfinite().all()
+    for m, bf16 in ((3, False), (kernels.quant_dequantized_min_rows[True] + 1, True),
+                    (kernels.quant_dequantized_min_rows[False] + 1, False)):  # the integer tiles, then dequantized rows
+        x = torch.randn(m, 256)
+        x[0, 3], x[1, 40] = float("nan"), float("inf")
+        y = kernels.quant_gemv[kind](x, packed, bf16=bf16)
+        # (the strips' sums take inf as torch does: inf times each weight, so +-inf or NaN)
+        assert y[0].isnan().all() and not y[1].isfinite().any() and y[2:].isfinite().all()
 
 
 @needs_kernel
@@ -809,19 +851,14 @@ def test_native_half_gemms_serve_the_large_steps(half_llama_dir, build, monkeypa
     assert_same_greedy(outputs, [tokens_and_logprobs(want) for want in expected])
 
 
-@needs_kernel
-def test_gguf_blocks_load_where_only_the_half_copies_are_kept(half_llama_dir, tmp_path, monkeypatch):
-    """A GGUF conversion (half-precision weights + the blocks, the default model's layout) on
-    a CPU with native half GEMMs, which keeps only the half copies: the blocks are checked
-    against the copies' shape (reading the freed float32 weight's shape crashed start-up) and
-    serve the small steps, as where the float32 weights are kept; blocks of another shape
-    are refused."""
+def gguf_converted(source, dtype: torch.dtype, tmp_path) -> str:
+    """A copy of the model at `source` laid out as a GGUF conversion is (the default model's
+    layout): random Q4_1 blocks for every linear weight, beside their dequantized values in
+    `dtype`."""
     import shutil
 
-    from streamserve.models.layers import Linear
     from streamserve.models.quantized import save_blocks
 
-    source, dtype = half_llama_dir
     path = tmp_path / "converted"
     shutil.copytree(source, path)
     weights = load_file(str(path / "model.safetensors"))
@@ -831,6 +868,61 @@ def test_gguf_blocks_load_where_only_the_half_copies_are_kept(half_llama_dir, tm
     weights.update({name: q.dequantize().to(dtype) for name, q in blocks.items()})
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     save_blocks(str(path / "gguf-blocks.safetensors"), blocks)
+    return str(path)
+
+
+@needs_kernel
+@pytest.mark.parametrize("half_llama_dir", [torch.bfloat16], indirect=True, ids=["bf16"])
+@pytest.mark.parametrize("eager", [False, True], ids=["c-step", "op-by-op"])
+def test_quantized_layers_hold_their_blocks_alone(half_llama_dir, eager, tmp_path, monkeypatch):
+    """--cpu-weights quantized: the layers with blocks keep nothing else (no weight, no copy),
+    and every step reads the blocks, its prefill's strips of rows dequantized as they are read;
+    the tokens are those of the layers that keep 16-bit copies too (--cpu-weights copies,
+    whose larger steps read the copies: the same bfloat16 weights), in the C step and op by op.
+    auto chooses the blocks alone where the copies would take more than a quarter of memory."""
+    from streamserve.models.layers import Linear
+
+    source, dtype = half_llama_dir
+    path = gguf_converted(source, dtype, tmp_path)
+    prompts = [list(range(5, 40)), [5, 6, 7], [9] * 12]  # prefills of 50 tokens (strips), then decodes of 3
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: False)  # this machine's kind
+    args = dict(dtype="bfloat16", kv_cache_memory="32MiB", enforce_eager=eager)
+    copies = LLM(path, cpu_weights="copies", **args)
+    expected = [tokens_and_logprobs(o) for o in copies.generate(prompts, params, use_tqdm=False)]
+    copies_bytes = sum(t.numel() * t.element_size() for t in copies.engine_core.model_runner.model.copies())
+    del copies
+    llm = LLM(path, cpu_weights="quantized", **args)
+    runner = llm.engine_core.model_runner
+    assert runner.quantized_only and (runner.c_step is None) == eager
+    linears = {name: m for name, m in runner.model.named_modules() if isinstance(m, Linear)}
+    for name, layer in linears.items():
+        # (the tiny Llama's head is tied to the embedding, which has no blocks)
+        assert layer.only_quantized == (name != "lm_head"), name
+        if name != "lm_head":
+            assert layer.weight.numel() == 0 and layer.low_precision_weight is None
+    held = sum(t.numel() * t.element_size() for t in runner.model.copies())
+    assert held < copies_bytes * 0.7  # (the head's copy stays: it is the embedding's too)
+    assert_same_greedy(llm.generate(prompts, params, use_tqdm=False), expected, logprob_tol=1e-3)
+    del llm
+    if not eager:
+        monkeypatch.setattr(model_runner, "total_memory_bytes", lambda: 4 * copies_bytes)
+        assert not LLM(path, **args).engine_core.model_runner.quantized_only
+        monkeypatch.setattr(model_runner, "total_memory_bytes", lambda: 2 * copies_bytes)
+        assert LLM(path, **args).engine_core.model_runner.quantized_only
+
+
+@needs_kernel
+def test_gguf_blocks_load_where_only_the_half_copies_are_kept(half_llama_dir, tmp_path, monkeypatch):
+    """A GGUF conversion (half-precision weights + the blocks, the default model's layout) on
+    a CPU with native half GEMMs, which keeps only the half copies: the blocks are checked
+    against the copies' shape (reading the freed float32 weight's shape crashed start-up) and
+    serve the small steps, as where the float32 weights are kept; blocks of another shape
+    are refused."""
+    from streamserve.models.layers import Linear
+
+    source, dtype = half_llama_dir
+    path, gen = gguf_converted(source, dtype, tmp_path), torch.Generator().manual_seed(0)
     name = str(dtype).split(".")[-1]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: False)  # this machine's kind

@@ -8,7 +8,9 @@
  *
  * gemv_q4_0 / q4_1 / q8_0 / q4_k: the same product over GGUF's quantized blocks, taken in
  * integers against the vectors scaled to int16 per block (see the section below), for the
- * smallest steps of a model converted from GGUF (models/quantized.py).
+ * smallest steps of a quantized model (models/quantized.py); from QUANT_STRIP_MIN_ROWS vectors
+ * on, over strips of rows dequantized as they are read, for every step of a layer that keeps
+ * only its blocks.
  *
  * rms_norm_f32: RMSNorm over rows of float32, optionally adding the residual first (in
  * place, like the Triton kernel): one call instead of the eight small torch ops it
@@ -794,13 +796,298 @@ static inline void scales_q4_k(const uint8_t *G, __m256 *d, __m256 *m) {
     (&(const QuantX){(x)->x16 + (m0) * padded_blocks(K) * 32, (x)->sx + (m0) * groups_of(K) * QGROUP, \
                      (x)->xsum + (m0) * groups_of(K) * QGROUP})
 
+/* ---- Larger steps over quantized blocks: a strip of rows dequantized at a time ------------
+ *
+ * The integer tiles above widen a pair's weights again for every vector of x, so from a few
+ * vectors on they fall behind the float GEMM (at 64-512 vectors of 2048, 0.35-0.38x the
+ * bfloat16 GEMM of the same weight on a 2-core Zen 4). A layer that keeps only its blocks
+ * (--cpu-weights: worker/model_runner.py) would take every larger step at that pace, so for
+ * larger steps each thread dequantizes rows of w into its own scratch (kept in the L2 cache) and
+ * passes every vector of x by them: for a bfloat16 model where the build has AVX512-BF16, from
+ * QUANT_STRIP_MIN_ROWS vectors on, a strip of rows as bfloat16, QUANT_TILE_MR vectors (x rounded
+ * to bfloat16) by 3 rows at a time (VDPBF16PS, the arithmetic of gemm_packed_bf16's steps of as
+ * many rows); else, from QUANT_PANEL_MIN_ROWS on, float32 panels in pack_weight's layout through
+ * the float32 GEMM's own tiles (its arithmetic, x as it is). The dequantized
+ * weights are exactly GGUF's (w = d * q + m rounds once, d * q being exact), then rounded to
+ * bfloat16 where the dot products take it. Against the integer tiles (2026-12-04, a 2-core Zen 4,
+ * scripts/bench_quant_strips.py, the two ways' builds alternating call by call; Q4_1, Q4_K and
+ * Q8_0 on 2048x2048, 8192x2048 and 2048x8192 layers): bfloat16 strips 0.74-1.04x at 4-6
+ * vectors, 0.97-1.22x at 8, 1.2-1.9x at 16, 1.8-2.8x at 64-256, where they run at 0.8-1.2x the
+ * bfloat16 GEMM of the same weights (0.5-0.7x at 8, the dequantizing's share); float32 panels
+ * (a float32 model, or a CPU without AVX512-BF16) 0.85-0.98x at 16-32, 0.90-1.08x at 64,
+ * 1.11-1.31x at 256, 0.87-1.02x the float32 (or the AVX2 build's bfloat16) GEMM there. Hence
+ * QUANT_STRIP_MIN_ROWS and QUANT_PANEL_MIN_ROWS. */
+#ifndef QUANT_STRIP_MIN_ROWS
+#define QUANT_STRIP_MIN_ROWS 8
+#endif
+#ifndef QUANT_PANEL_MIN_ROWS
+#define QUANT_PANEL_MIN_ROWS 64
+#endif
+#define QUANT_STRIP_BYTES (192 << 10)  /* a strip's scratch at most (rows of 3 at least) */
+
+/* A block's 32 weights d * q + m into a strip, from its first chunk of bytes at P (cpu_kernels.py:
+ * _pairs: a 4-bit block's bytes j hold weights j and j + 16, in two chunks of 8, 16 bytes apart;
+ * an 8-bit block's weights in four such chunks): as float32, and with AVX512-BF16 as bfloat16. */
+static inline __m256 weights_of(__m256i q, __m256 d, __m256 m) { return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m); }
+static inline void block_4bit_f32(const uint8_t *P, float d, float m, float *o) {
+    const __m256 dd = _mm256_set1_ps(d), mm = _mm256_set1_ps(m);
+    for (int c = 0; c < 2; c++) {
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(P + 16 * c)));
+        _mm256_storeu_ps(o + 8 * c, weights_of(_mm256_and_si256(q, _mm256_set1_epi32(15)), dd, mm));
+        _mm256_storeu_ps(o + 16 + 8 * c, weights_of(_mm256_srli_epi32(q, 4), dd, mm));
+    }
+}
+static inline void block_8bit_f32(const uint8_t *P, float d, float m, float *o) {
+    const __m256 dd = _mm256_set1_ps(d), mm = _mm256_set1_ps(m);
+    for (int c = 0; c < 4; c++)
+        _mm256_storeu_ps(o + 8 * c, weights_of(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(P + 16 * c))), dd, mm));
+}
+
+#ifdef BF16_DOT
+/* The block's q as int32 lanes, weights 0-15 in q0 and 16-31 in q1, into 32 bfloat16 at o. */
+static inline void block_out_bf16(__m512i q0, __m512i q1, float d, float m, uint16_t *o) {
+    const __m512 dd = _mm512_set1_ps(d), mm = _mm512_set1_ps(m);
+    _mm512_storeu_si512(o, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(q1), mm),
+                                                        _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(q0), mm)));
+}
+static inline __m128i two_chunks(const uint8_t *P) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)P), _mm_loadl_epi64((const __m128i *)(P + 16)));
+}
+static inline void block_4bit_bf16(const uint8_t *P, float d, float m, uint16_t *o) {
+    const __m512i q = _mm512_cvtepu8_epi32(two_chunks(P));
+    block_out_bf16(_mm512_and_si512(q, _mm512_set1_epi32(15)), _mm512_srli_epi32(q, 4), d, m, o);
+}
+static inline void block_8bit_bf16(const uint8_t *P, float d, float m, uint16_t *o) {
+    block_out_bf16(_mm512_cvtepi8_epi32(two_chunks(P)), _mm512_cvtepi8_epi32(two_chunks(P + 32)), d, m, o);
+}
+static inline __m512 strip_madd_bf16(__m512 acc, const uint16_t *x, const uint16_t *w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x), (__m512bh)_mm512_loadu_si512(w));
+}
+#endif
+
+/* NAME(row, K, out): row `row` (regrouped blocks of K weights) as K T at out, BLOCK(P, d, m, o)
+ * writing a block. SCALES gives lane j < 4 block j's d and m, lane 4 + j block h + j's, where a
+ * pair's second block begins 8 bytes on; the padding block that evens an odd count is skipped. */
+#define DEFINE_QDEQUANT(NAME, T, HEADER, PAIR, SCALES, BLOCK)                                     \
+    static void NAME(const uint8_t *row, long K, T *out) {                                        \
+        const long nb = K / 32, nbp = padded_blocks(K), groups = groups_of(K);                    \
+        const long group_bytes = HEADER + QGROUP / 2 * PAIR;                                      \
+        for (long g = 0; g < groups; g++) {                                                       \
+            const uint8_t *G = row + g * group_bytes;                                             \
+            const long left = nbp - g * QGROUP, h = (left < QGROUP ? left : QGROUP) / 2;          \
+            __m256 dv, mv;                                                                        \
+            float d[8], mn[8];                                                                    \
+            SCALES(G, &dv, &mv);                                                                  \
+            _mm256_storeu_ps(d, dv), _mm256_storeu_ps(mn, mv);                                    \
+            for (long i = 0; i < h; i++) {                                                        \
+                const uint8_t *P = G + HEADER + PAIR * i;                                         \
+                const long b = g * QGROUP + i;                                                    \
+                BLOCK(P, d[i], mn[i], out + 32 * b);                                              \
+                if (b + h < nb) BLOCK(P + 8, d[4 + i], mn[4 + i], out + 32 * (b + h));            \
+            }                                                                                     \
+        }                                                                                         \
+    }
+
+/* Eight vectors of 8 float32 (rows) transposed in place (columns). */
+static inline void transpose8(__m256 *r) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xee);
+    const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xee);
+    const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xee);
+    const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xee);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20), r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20), r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31), r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31), r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+typedef void (*DequantizeF32)(const uint8_t *row, long K, float *out);
+
+/* `cols` (<= PANEL) regrouped rows of w (row_bytes apart) as a float32 panel [K, PANEL], the
+ * layout gemm_packed_f32 reads (pack_weight's), its other rows zeros: eight rows at a time
+ * into buf (8 * K floats), then written out transposed eight by eight. */
+static void dequantize_panel_f32(DequantizeF32 dequantize, const uint8_t *w, long row_bytes, long cols, long K,
+                                 float *panel, float *buf) {
+    for (long r0 = 0; r0 < PANEL; r0 += 8) {
+        for (long j = 0; j < 8; j++) {
+            if (r0 + j < cols)
+                dequantize(w + (r0 + j) * row_bytes, K, buf + j * K);
+            else
+                memset(buf + j * K, 0, sizeof(float) * K);
+        }
+        for (long k = 0; k < K; k += 8) {
+            __m256 v[8];
+            for (int j = 0; j < 8; j++) v[j] = _mm256_loadu_ps(buf + j * K + k);
+            transpose8(v);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(panel + (k + i) * PANEL + r0, v[i]);
+        }
+    }
+}
+
+/* y = x @ w.T for float32 x (w: regrouped rows of row_bytes), PER panels of PANEL rows at a
+ * time (two with AVX-512, whose tiles take pairs: a broadcast of x then feeds two FMAs)
+ * dequantized into the thread's scratch and passed by every vector of x through the float32
+ * GEMM's own tiles (its float32 arithmetic: x as it is); -1 without memory. */
+#ifdef __AVX512F__
+#define QUANT_PANELS 2
+#else
+#define QUANT_PANELS 1
+#endif
+static int quant_panels_f32(DequantizeF32 dequantize, long row_bytes, const float *x, const uint8_t *w, float *y,
+                            long M, long N, long K) {
+    const long per = QUANT_PANELS * PANEL, units = (N + per - 1) / per;
+    int failed = 0;
+#pragma omp parallel if (units > 1)
+    {
+        float *wp = malloc(sizeof(float) * (per + 8) * K);  /* the panels, then dequantize_panel_f32's rows */
+        if (!wp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long u = 0; u < units; u++) {
+            if (!wp) continue;
+            const long n = u * per, cols = N - n < per ? N - n : per;
+            for (long p = 0; p * PANEL < cols; p++) {
+                const long c = cols - p * PANEL < PANEL ? cols - p * PANEL : PANEL;
+                dequantize_panel_f32(dequantize, w + (n + p * PANEL) * row_bytes, row_bytes, c, K, wp + p * PANEL * K,
+                                     wp + per * K);
+            }
+            long m = 0;
+#ifdef __AVX512F__
+            const long m1 = M;
+            if (cols > PANEL) { PANEL512_ROWS(gemm_packed_f32, 2) } else { PANEL512_ROWS(gemm_packed_f32, 1) }
+#else
+            for (; m + PANEL_MR <= M; m += PANEL_MR) gemm_packed_f32_tile(x + m * K, wp, y + m * N + n, K, N, cols, 6);
+            switch (M - m) {
+            case 5: gemm_packed_f32_tile(x + m * K, wp, y + m * N + n, K, N, cols, 5); break;
+            case 4: gemm_packed_f32_tile(x + m * K, wp, y + m * N + n, K, N, cols, 4); break;
+            case 3: gemm_packed_f32_tile(x + m * K, wp, y + m * N + n, K, N, cols, 3); break;
+            case 2: gemm_packed_f32_tile(x + m * K, wp, y + m * N + n, K, N, cols, 2); break;
+            case 1: gemm_packed_f32_tile(x + m * K, wp, y + m * N + n, K, N, cols, 1); break;
+            }
+#endif
+        }
+        free(wp);
+    }
+    return failed ? -1 : 0;
+}
+
+#ifdef BF16_DOT
+#define QUANT_TILE_MR 4
+
+/* MR vectors of x (bfloat16, K apart) by NR rows of a strip (K apart) into y (rows N apart). */
+static inline __attribute__((always_inline)) void strip_tile_bf16(const uint16_t *x, const uint16_t *w, float *y,
+                                                                  long K, long N, const int MR, const int NR) {
+    __m512 acc[QUANT_TILE_MR][3];
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) acc[m][r] = _mm512_setzero_ps();
+    for (long k = 0; k < K; k += 32) {
+        _Pragma("GCC unroll 4")
+        for (int m = 0; m < MR; m++) {
+            _Pragma("GCC unroll 3")
+            for (int r = 0; r < NR; r++) acc[m][r] = strip_madd_bf16(acc[m][r], x + m * K + k, w + r * K + k);
+        }
+    }
+    for (int m = 0; m < MR; m++)
+        for (int r = 0; r < NR; r++) y[m * N + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+/* Every vector of x against a strip of `rows` rows (s, K apart) into y's columns from y on. */
+static void strip_rows_bf16(const uint16_t *x, const uint16_t *s, float *y, long M, long N, long K, long rows) {
+    for (long m0 = 0; m0 < M; m0 += QUANT_TILE_MR) {
+        const long mr = M - m0 < QUANT_TILE_MR ? M - m0 : QUANT_TILE_MR;
+        for (long r0 = 0; r0 < rows; r0 += 3) {
+            const uint16_t *xm = x + m0 * K, *wr = s + r0 * K;
+            float *yo = y + m0 * N + r0;
+            switch ((rows - r0 < 3 ? rows - r0 : 3) * 10 + mr) {
+            case 34: strip_tile_bf16(xm, wr, yo, K, N, 4, 3); break;
+            case 33: strip_tile_bf16(xm, wr, yo, K, N, 3, 3); break;
+            case 32: strip_tile_bf16(xm, wr, yo, K, N, 2, 3); break;
+            case 31: strip_tile_bf16(xm, wr, yo, K, N, 1, 3); break;
+            case 24: strip_tile_bf16(xm, wr, yo, K, N, 4, 2); break;
+            case 23: strip_tile_bf16(xm, wr, yo, K, N, 3, 2); break;
+            case 22: strip_tile_bf16(xm, wr, yo, K, N, 2, 2); break;
+            case 21: strip_tile_bf16(xm, wr, yo, K, N, 1, 2); break;
+            case 14: strip_tile_bf16(xm, wr, yo, K, N, 4, 1); break;
+            case 13: strip_tile_bf16(xm, wr, yo, K, N, 3, 1); break;
+            case 12: strip_tile_bf16(xm, wr, yo, K, N, 2, 1); break;
+            default: strip_tile_bf16(xm, wr, yo, K, N, 1, 1); break;
+            }
+        }
+    }
+}
+
+/* y = x @ w.T for float32 x, rounded to bfloat16 (w: regrouped rows of row_bytes), a strip of
+ * rows at a time dequantized to bfloat16 into the thread's scratch (at most QUANT_STRIP_BYTES, 3
+ * rows at least); -1 without memory. */
+static int quant_strips_bf16(void (*dequantize)(const uint8_t *, long, uint16_t *), long row_bytes, const float *x,
+                             const uint8_t *w, float *y, long M, long N, long K) {
+    long strip = QUANT_STRIP_BYTES / (K * (long)sizeof(uint16_t)) / 3 * 3;
+    if (strip < 3) strip = 3;
+    uint16_t *xb = bf16_rows(x, M, K, M);
+    if (xb == NULL) return -1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint16_t *s = malloc(sizeof(uint16_t) * strip * K);
+        if (!s) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long n0 = 0; n0 < N; n0 += strip) {
+            if (!s) continue;
+            const long rows = N - n0 < strip ? N - n0 : strip;
+            for (long r = 0; r < rows; r++) dequantize(w + (n0 + r) * row_bytes, K, s + r * K);
+            strip_rows_bf16(xb, s, y + n0, M, N, K, rows);
+        }
+        free(s);
+    }
+    free(xb);
+    return failed ? -1 : 0;
+}
+#endif
+
+/* From how many vectors the quantized GEMVs dequantize their rows, asked for bfloat16 dot
+ * products (bf16) or not (tests read it). */
+int cpu_kernels_quant_dequantized_min_rows(long bf16) {
+#ifdef BF16_DOT
+    if (bf16) return QUANT_STRIP_MIN_ROWS;
+#endif
+    return (void)bf16, QUANT_PANEL_MIN_ROWS;
+}
+
 /* Returns 0, or -1 when there is no memory for the int16 activations. K: a multiple of the
  * block's weights (32, or 256 for Q4_K); w: rows regrouped by pack_quantized. */
-#define DEFINE_QGEMV(NAME, HEADER, PAIR, SCALES, DOT_PAIR, HAS_MINIMUM)                           \
+#ifdef BF16_DOT
+#define QUANT_STRIPS_BF16(NAME, HEADER, PAIR, SCALES, BLOCK)                                      \
+    DEFINE_QDEQUANT(NAME##_dequantize_bf16, uint16_t, HEADER, PAIR, SCALES, BLOCK##_bf16)
+#define TAKE_STRIPS_BF16(NAME)                                                                    \
+    {                                                                                             \
+        if (bf16) return quant_strips_bf16(NAME##_dequantize_bf16, NAME##_row_bytes(K), x, w, y, M, N, K); \
+    }
+#else
+#define QUANT_STRIPS_BF16(NAME, HEADER, PAIR, SCALES, BLOCK)
+#define TAKE_STRIPS_BF16(NAME) (void)bf16;
+#endif
+
+/* Returns 0, or -1 without memory for the int16 activations or the strips. K: a multiple of the
+ * block's weights (32, or 256 for Q4_K); w: rows regrouped by pack_quantized. bf16: whether the
+ * strips may take bfloat16 dot products (a bfloat16 model's, as its GEMMs do; else float32). */
+#define DEFINE_QGEMV(NAME, HEADER, PAIR, SCALES, DOT_PAIR, HAS_MINIMUM, BLOCK)                   \
     DEFINE_QTILE(NAME##_tile, HEADER, PAIR, SCALES, DOT_PAIR, HAS_MINIMUM)                        \
     static inline long NAME##_row_bytes(long K) { return quant_row_bytes(HEADER, PAIR, K); }     \
     DEFINE_GEMV_OF(NAME##_quantized, const QuantX *, QUANT_ROWS, uint8_t, NAME##_tile, NAME##_row_bytes) \
-    int NAME(const float *x, const uint8_t *w, float *y, long M, long N, long K) {                \
+    DEFINE_QDEQUANT(NAME##_dequantize_f32, float, HEADER, PAIR, SCALES, BLOCK##_f32)              \
+    QUANT_STRIPS_BF16(NAME, HEADER, PAIR, SCALES, BLOCK)                                          \
+    int NAME(const float *x, const uint8_t *w, float *y, long M, long N, long K, long bf16) {     \
+        if (M >= QUANT_STRIP_MIN_ROWS) TAKE_STRIPS_BF16(NAME)                                     \
+        if (M >= QUANT_PANEL_MIN_ROWS)                                                            \
+            return quant_panels_f32(NAME##_dequantize_f32, NAME##_row_bytes(K), x, w, y, M, N, K); \
         QuantX qx;                                                                                \
         if (quantize_x(x, M, K, &qx)) return -1;                                                  \
         NAME##_quantized(&qx, w, y, M, N, K);                                                     \
@@ -808,10 +1095,10 @@ static inline void scales_q4_k(const uint8_t *G, __m256 *d, __m256 *m) {
         return 0;                                                                                 \
     }
 
-DEFINE_QGEMV(gemv_q4_0, HEADER_Q4_0, PAIR_Q4, scales_q4_0, dot_pair_q4, 1)
-DEFINE_QGEMV(gemv_q4_1, HEADER_Q4_1, PAIR_Q4, scales_q4_1, dot_pair_q4, 1)
-DEFINE_QGEMV(gemv_q8_0, HEADER_Q8_0, PAIR_Q8, scales_q8_0, dot_pair_q8, 0)
-DEFINE_QGEMV(gemv_q4_k, HEADER_Q4_K, PAIR_Q4, scales_q4_k, dot_pair_q4, 1)
+DEFINE_QGEMV(gemv_q4_0, HEADER_Q4_0, PAIR_Q4, scales_q4_0, dot_pair_q4, 1, block_4bit)
+DEFINE_QGEMV(gemv_q4_1, HEADER_Q4_1, PAIR_Q4, scales_q4_1, dot_pair_q4, 1, block_4bit)
+DEFINE_QGEMV(gemv_q8_0, HEADER_Q8_0, PAIR_Q8, scales_q8_0, dot_pair_q8, 0, block_8bit)
+DEFINE_QGEMV(gemv_q4_k, HEADER_Q4_K, PAIR_Q4, scales_q4_k, dot_pair_q4, 1, block_4bit)
 
 /* The weight types, as step_forward_f32 names them. */
 enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1, WEIGHT_F16 = 2, WEIGHT_Q4_0 = 3, WEIGHT_Q4_1 = 4, WEIGHT_Q8_0 = 5,
@@ -859,14 +1146,14 @@ long cpu_kernels_quant_row_bytes(long type, long K) {
 }
 
 /* Returns 0, or -1 when a quantized GEMV found no memory for its int16 activations. */
-static int gemv_any(long type, const float *x, const void *w, float *y, long M, long N, long K) {
+static int gemv_any(long type, const float *x, const void *w, float *y, long M, long N, long K, long bf16) {
     switch (type) {
     case WEIGHT_BF16: gemm_packed_bf16(x, (const uint16_t *)w, y, M, N, K); return 0;
     case WEIGHT_F16: gemm_packed_f16(x, (const uint16_t *)w, y, M, N, K); return 0;
-    case WEIGHT_Q4_0: return gemv_q4_0(x, (const uint8_t *)w, y, M, N, K);
-    case WEIGHT_Q4_1: return gemv_q4_1(x, (const uint8_t *)w, y, M, N, K);
-    case WEIGHT_Q8_0: return gemv_q8_0(x, (const uint8_t *)w, y, M, N, K);
-    case WEIGHT_Q4_K: return gemv_q4_k(x, (const uint8_t *)w, y, M, N, K);
+    case WEIGHT_Q4_0: return gemv_q4_0(x, (const uint8_t *)w, y, M, N, K, bf16);
+    case WEIGHT_Q4_1: return gemv_q4_1(x, (const uint8_t *)w, y, M, N, K, bf16);
+    case WEIGHT_Q8_0: return gemv_q8_0(x, (const uint8_t *)w, y, M, N, K, bf16);
+    case WEIGHT_Q4_K: return gemv_q4_k(x, (const uint8_t *)w, y, M, N, K, bf16);
     default: gemm_packed_f32(x, (const float *)w, y, M, N, K); return 0;
     }
 }
@@ -1899,7 +2186,8 @@ typedef struct {
 } Weight;
 
 /* Each linear layer's weight for steps of more than quant_max_tokens tokens ([0]) and its
- * GGUF blocks for steps of at most that many ([1], data NULL where it has none). */
+ * GGUF blocks for steps of at most that many ([1], data NULL where it has none); a layer that
+ * keeps only its blocks has them at [0], for every step (the quantized GEMVs take any size). */
 typedef struct {
     const float *input_norm, *post_norm;    /* [H] (input_norm NULL for OLMo 2) */
     Weight qkv[2], o[2], gate_up[2], down[2]; /* [N, K] */
@@ -1919,7 +2207,7 @@ typedef struct {
     long num_slots;                         /* num_blocks * block_size: each cache's rows */
     long quant_max_tokens;                  /* the most tokens a step may have to read the GGUF blocks */
     long kv_half;                           /* whether the caches hold float16 */
-    long bf16_dot;                          /* whether the prefill attention takes bfloat16 dot products */
+    long bf16_dot;                          /* whether the prefill attention and the quantized strips take bfloat16 dot products */
     long gelu;                              /* the MLP's gate: SiLU (0) or GELU's tanh form (1, Gemma's) */
     long rotary_dim;                        /* the leading dims of each head the rotary turns (even, <= D) */
     long post_norms;                        /* OLMo 2's: no input norms, attention's output normed before its add */
@@ -1970,7 +2258,7 @@ static int lora_add(const StepLoRA *lora, long l, int which, const float *x, flo
             xg = (float *)x + rows[0] * K;
         else
             for (long i = 0; i < n; i++) memcpy(xg + i * K, x + rows[i] * K, sizeof(float) * K);
-        if (gemv_any(p->a.type, xg, p->a.data, t, n, R, K) || gemv_any(p->b.type, t, p->b.data, d, n, N, R)) {
+        if (gemv_any(p->a.type, xg, p->a.data, t, n, R, K, 0) || gemv_any(p->b.type, t, p->b.data, d, n, N, R, 0)) {
             free(buf);
             return -1;
         }
@@ -1987,7 +2275,7 @@ static int lora_add(const StepLoRA *lora, long l, int which, const float *x, flo
 /* y = x @ w.T through the weight a step of M tokens reads; -1 when out of memory. */
 static int step_gemv(const StepModel *m, const Weight *w, const float *x, float *y, long M, long N, long K) {
     const Weight *use = w[1].data && M <= m->quant_max_tokens ? &w[1] : &w[0];
-    return gemv_any(use->type, x, use->data, y, M, N, K);
+    return gemv_any(use->type, x, use->data, y, M, N, K, m->bf16_dot);
 }
 
 /* Neox-style rotary on the leading R dims of n heads of D at x: x * cos + rotate_half(x) * sin,
