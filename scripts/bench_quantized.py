@@ -36,11 +36,13 @@ sys.path.insert(0, HERE)
 
 def write_formats(src: str, root: str, group: int) -> dict[str, str]:
     import quantized_checkpoints as qc
+    import torch
 
     paths = {"bf16": src}
     writers = {"gptq-4bit": lambda d: qc.write_gptq(src, d, group=group),
                "awq-4bit": lambda d: qc.write_awq(src, d, group=group),
-               "w8a8-int8": lambda d: qc.write_compressed_tensors(src, d, "W8A8")}
+               # (in bfloat16, as llm-compressor keeps a bfloat16 model: float32 before 2026-12-04)
+               "w8a8-int8": lambda d: qc.write_compressed_tensors(src, d, "W8A8", dtype=torch.bfloat16)}
     for name, write in writers.items():
         path = os.path.join(root, name)
         if not os.path.isfile(os.path.join(path, "config.json")):

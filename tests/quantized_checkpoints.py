@@ -166,10 +166,11 @@ def write_fp8(src: str, dst: str, block: tuple[int, int] = (16, 32)) -> None:
 
 
 def write_compressed_tensors(src: str, dst: str, scheme: str, group: int = 32, fmt: str = None,
-                             weights_only: bool = False) -> None:
+                             weights_only: bool = False, dtype: torch.dtype = torch.float32) -> None:
     """compressed-tensors' own writing of `scheme` (one of its presets: W4A16, W4A16_ASYM,
     W8A16, W8A8, FP8, FP8_DYNAMIC, FP8_BLOCK; `weights_only`: without its activations), with
-    min-max scales (llm-compressor calibrates them; the layout is the same)."""
+    min-max scales (llm-compressor calibrates them; the layout is the same), its other tensors
+    and scales in `dtype` (llm-compressor keeps the model's, bfloat16 for most)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationConfig, QuantizationStatus, apply_quantization_config,
                                                  preset_name_to_scheme)
@@ -208,6 +209,8 @@ def write_compressed_tensors(src: str, dst: str, scheme: str, group: int = 32, f
         module.quantization_status = QuantizationStatus.FROZEN
     compressor = ModelCompressor.from_pretrained_model(model, fmt)
     compressor.compress_model(model)
+    model.to(dtype)  # (the packed integers stay as they are)
+    model.config.dtype = dtype
     model.save_pretrained(dst)
     compressor.update_config(dst)
     for name in os.listdir(src):

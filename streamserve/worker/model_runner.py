@@ -271,9 +271,11 @@ class ModelRunner:
         16-bit copies; `only`: every step reads the blocks, the layers keep nothing else)."""
         if half_copies and {w.kind for w in weights.values()} == {"q8_0"}:
             # Q8_0's blocks save half of bfloat16's bytes, not three quarters: a 1B-shaped W8A8
-            # checkpoint decoded 1.13-1.16x faster from them at batch 1 but 0.80-0.93x at 2 to 4
-            # (scripts/bench_quantized.py --shape olmo2-1b --formats w8a8-int8, Zen 4, 2026-12-04)
-            self.quant_max_tokens = min(self.quant_max_tokens, 1)
+            # bfloat16 checkpoint decoded 1.41-1.47x bfloat16's speed from them at batch 1 and 1.29x
+            # at 2, but 1.01x at 3 and 4, where the copies gave 1.08x and 0.97x (scripts/
+            # bench_quantized.py --shape olmo2-1b --formats w8a8-int8 --cpu-weights quantized
+            # copies, Zen 4, 2026-12-04; the 135M shape 1.43x at 2, 0.90x at 4)
+            self.quant_max_tokens = min(self.quant_max_tokens, 2)
         # (larger steps' strips of dequantized rows take bfloat16 dot products where the packed GEMM does)
         gemvs = {kind: functools.partial(gemv, bf16=self.bf16_dot) for kind, gemv in self.c_kernels.quant_gemv.items()}
         kept = self.model.keep_quantized(weights, gemvs, self.quant_max_tokens, only)
