@@ -472,15 +472,14 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(self.embed_tokens, PackedEmbedding):
             self.embed_tokens.packed = self.lm_head.packed
 
-    def keep_quantized(self, weights: dict, gemvs: dict, max_rows: int, only: bool = False) -> list[str]:
-        """Give each linear layer whose checkpoint tensors are all in `weights` (Hugging Face
-        name -> QuantizedWeight, one kind) its blocks, read by `gemvs[kind]` for steps of at
-        most `max_rows` rows, or with `only` for every step, in place of its weight (but a head
-        tied to the embedding keeps that). Returns the layers that got them."""
+    def quantized_layers(self, kinds: dict[str, tuple]) -> dict[str, list[str]]:
+        """The linear layers whose checkpoint tensors all have blocks of one kind and row width
+        (`kinds`: Hugging Face name -> (kind, bytes a row of blocks)): layer name -> those names,
+        its parts in order (q, k, v; gate, up) or the one fused tensor a checkpoint may hold (Phi-3)."""
         pieces: dict[str, list[str]] = {}
         for piece, (fused, shard) in sorted(self.STACKED.items(), key=lambda item: item[1]):
             pieces.setdefault(fused, []).append(piece)
-        kept = []
+        found = {}
         for name, module in self.named_modules():
             if not isinstance(module, Linear):
                 continue
@@ -489,14 +488,24 @@ class LlamaForCausalLM(nn.Module):
                 names = ["model.embed_tokens.weight" if self.arch.tie_word_embeddings else "lm_head.weight"]
             else:
                 names = [f"model.{prefix}.{piece}.weight" for piece in pieces.get(last, [last])]
-                if not all(n in weights for n in names):  # stored fused (Phi-3)
+                if not all(n in kinds for n in names):  # stored fused (Phi-3)
                     names = [f"model.{name}.weight"]
-            if not all(n in weights for n in names):
-                continue
+            if all(n in kinds for n in names) and len({kinds[n] for n in names}) == 1:
+                found[name] = names
+        return found
+
+    def keep_quantized(self, weights: dict, gemvs: dict, max_rows: int, only: bool = False) -> list[str]:
+        """Give each linear layer whose checkpoint tensors are all in `weights` (Hugging Face
+        name -> QuantizedWeight, one kind) its blocks, read by `gemvs[kind]` for steps of at
+        most `max_rows` rows, or with `only` for every step, in place of its weight (but a head
+        tied to the embedding keeps that). Returns the layers that got them."""
+        modules = dict(self.named_modules())
+        kept = []
+        for name, names in self.quantized_layers({n: (w.kind, w.blocks.shape[1]) for n, w in weights.items()}).items():
             stacked = QuantizedWeight.stacked([weights[n] for n in names])
-            if stacked is not None and stacked.kind in gemvs:
+            if stacked.kind in gemvs:
                 tied = name == "lm_head" and self.arch.tie_word_embeddings
-                module.keep_quantized(stacked, gemvs[stacked.kind], max_rows, only and not tied)
+                modules[name].keep_quantized(stacked, gemvs[stacked.kind], max_rows, only and not tied)
                 kept.append(name)
         return kept
 
@@ -526,10 +535,31 @@ class LlamaForCausalLM(nn.Module):
             return [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
         return [a.intermediate_size, a.intermediate_size]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into the fused parameters; fail on gaps."""
+    def _destination(self, name: str) -> tuple[str, Optional[int]]:
+        """Where checkpoint tensor `name` (its "model." dropped) goes: the parameter's name, and
+        its shard of a fused parameter (q, k, v; gate, up), or None for all of it."""
+        for piece, (fused, shard) in self.STACKED.items():
+            if f".{piece}." in name:
+                return name.replace(piece, fused), shard
+        return name, None
+
+    def _mark_loaded(self, loaded: set[str], target: str, offset_rows: Optional[int]) -> None:
+        """Count parameter `target`'s shard as loaded (_check_complete's keys): all of a fused
+        parameter's where a checkpoint stores it fused (Phi-3)."""
+        fused = target.split(".")[-2]
+        if offset_rows is None and fused in ("qkv_proj", "gate_up_proj"):
+            loaded.update(f"{target}#{shard}" for shard in range(len(self.shard_sizes(fused))))
+        else:
+            loaded.add(f"{target}#{offset_rows}")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], skipped: Iterable[str] = ()) -> None:
+        """Copy checkpoint tensors (HF names) into the fused parameters; fail on gaps. `skipped`:
+        weights left unread on purpose (layers that keep only their quantized blocks, which they
+        are given after), counted as loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        for name in skipped:
+            self._mark_loaded(loaded, *self._destination(name.removeprefix("model.")))
         stored_head = None
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -538,12 +568,7 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 stored_head = tensor  # tied: the embedding serves as the head, unless this differs
                 continue
-            target, offset_rows = name, None
-            for piece, (fused, shard) in self.STACKED.items():
-                if f".{piece}." in name:
-                    target = name.replace(piece, fused)
-                    offset_rows = shard
-                    break
+            target, offset_rows = self._destination(name)
             if target not in params:
                 if name.endswith(".bias") and not tensor.any():
                     continue  # a zero bias of a layer that has none (GPTQ's writers add them; vLLM skips them too)
@@ -561,11 +586,7 @@ class LlamaForCausalLM(nn.Module):
             dest.copy_(tensor)
             if self.arch.norm_offset and target.endswith("norm.weight"):
                 dest += 1.0  # Gemma's norms scale by 1 + weight
-            fused = target.split(".")[-2]
-            if offset_rows is None and fused in ("qkv_proj", "gate_up_proj"):  # stored fused (Phi-3): every shard
-                loaded.update(f"{target}#{shard}" for shard in range(len(self.shard_sizes(fused))))
-            else:
-                loaded.add(f"{target}#{offset_rows}")
+            self._mark_loaded(loaded, target, offset_rows)
         embedding = self.embed_tokens.weight
         if stored_head is not None and not torch.equal(stored_head.to(embedding.dtype), embedding.data):
             logger.warning("the checkpoint ties its head to the embedding but stores a different "

@@ -45,12 +45,14 @@ def checkpoint_names(model_dir: str) -> list[str]:
     return names
 
 
-def iterate_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(model_dir: str, skip: frozenset = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor of the checkpoint's safetensors files, but those named in `skip` (left unread)."""
     for path in safetensors_files(model_dir):
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    if name not in skip:
+                        yield name, f.get_tensor(name)
         except Exception as exc:  # safetensors' own error type: a truncated or corrupt file
             if isinstance(exc, (ValueError, TypeError)):
                 raise
@@ -71,13 +73,16 @@ def fill_random(model: torch.nn.Module, seed: int) -> None:
 
 
 def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
-               keep_blocks: bool = False, linear_dtype: Optional[torch.dtype] = None) -> LlamaForCausalLM:
+               keep_blocks: bool = False, linear_dtype: Optional[torch.dtype] = None,
+               skip: frozenset = frozenset()) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill in its weights: a quantized checkpoint's
     dequantized (models/quantization.py), their GGUF blocks in `model.checkpoint_blocks` where
     `keep_blocks` (the CPU's quantized GEMV reads them). With `linear_dtype`, the linear layers'
     weights and the embedding are held in that dtype instead, the embedding's rows upcast as
     they are looked up: where the runner keeps only copies of them in it (a 16-bit checkpoint on
-    the CPU's C kernels), so that loading takes half of float32's memory."""
+    the CPU's C kernels), so that loading takes half of float32's memory. `skip`: the weights of
+    a GGUF conversion's layers that will hold only its blocks, left unread (their parameters are
+    never written, so their pages are never touched)."""
     with torch.device("meta"):
         model = build_model(model_config.hf_config)
     # each tensor allocated in place of its meta one, uninitialised, floating ones in `dtype`: what
@@ -106,7 +111,7 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         model.load_weights(dequantize(iterate_safetensors(model_config.model)))
         model.checkpoint_blocks = dequantize.blocks
     else:
-        model.load_weights(iterate_safetensors(model_config.model))
+        model.load_weights(iterate_safetensors(model_config.model, skip), skipped=skip)
     for rotary in model.rotaries():
         rotary.build_cache(device, dtype)
     return model.eval().requires_grad_(False)

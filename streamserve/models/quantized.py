@@ -73,6 +73,19 @@ def save_blocks(path: str, weights: dict[str, QuantizedWeight]) -> None:
               metadata={"kinds": json.dumps({name: w.kind for name, w in weights.items()})})
 
 
+def quantized_shapes(model_dir: str) -> dict[str, tuple[str, int, int]]:
+    """What a GGUF conversion kept, without reading it: Hugging Face name -> (kind, rows, bytes a
+    row), or {}."""
+    from safetensors import safe_open
+
+    path = os.path.join(model_dir, BLOCKS_FILE)
+    if not os.path.isfile(path):
+        return {}
+    with safe_open(path, framework="pt") as f:
+        kinds = json.loads(f.metadata()["kinds"])
+        return {name: (kinds[name], *f.get_slice(name).get_shape()) for name in f.keys()}
+
+
 def read_quantized(model_dir: str) -> dict[str, QuantizedWeight]:
     """The blocks a GGUF conversion kept (Hugging Face name -> QuantizedWeight), or {}."""
     from safetensors import safe_open

@@ -28,7 +28,8 @@ from streamserve.lora.step import LoRAStep
 from streamserve.models import cpu_kernels
 from streamserve.models.layers import Linear
 from streamserve.models.loader import load_model
-from streamserve.models.quantized import BLOCKS, read_quantized
+from streamserve.models.registry import build_model
+from streamserve.models.quantized import BLOCKS, quantized_shapes, read_quantized
 from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
 from streamserve.worker.block_table import BlockTable
 from streamserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -144,8 +145,17 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         # (with the C kernels, a 16-bit checkpoint's linear weights are kept only as packed copies
         # in its dtype, below: they are loaded in it)
+        copy_bytes = 4 if low_precision is None else 2  # of a weight's copy, where the C kernels read copies
+        # Whether the layers that have quantized blocks hold them alone (--cpu-weights): for a GGUF
+        # conversion decided before loading, so that those layers' weights are never read
+        self.quantized_only: Optional[bool] = None
+        self.unread_layers: set[str] = set()  # (the layers whose weights those are)
+        unread: frozenset = frozenset()
+        shapes = quantized_shapes(config.model.model) if c_ok and self.dtype == torch.float32 else {}
+        if shapes:
+            unread = self._unread_weights(config.model, shapes, copy_bytes)
         self.model = load_model(config.model, self.device, self.dtype, keep_blocks=c_ok and self.dtype == torch.float32,
-                                linear_dtype=low_precision if c_ok else None)
+                                linear_dtype=low_precision if c_ok else None, skip=unread)
         self.to_device = HostStaging(self.device)  # numpy array -> device tensor
         self.low_precision_max_tokens = 0  # steps up to this many tokens read the weight copies
         self.c_kernels = kernels if c_ok and self.dtype == torch.float32 else None
@@ -166,10 +176,14 @@ class ModelRunner:
             else QUANT_MAX_TOKENS_SEVERAL_STREAMS if self.c_kernels is not None and self.c_kernels.several_streams
             else QUANT_MAX_TOKENS)
         blocks = self._quantized_blocks(config.model.model) if self.c_kernels is not None else {}
-        self.quantized_only = bool(blocks) and self._choose_quantized_only(
-            config.model.cpu_weights, blocks, 4 if low_precision is None else 2)
+        if self.quantized_only is None:
+            self.quantized_only = bool(blocks) and self._choose_quantized_only(
+                config.model.cpu_weights, [w.shape for w in blocks.values()], copy_bytes)
         if self.quantized_only:  # (first: these layers' weights go before the others' copies are made)
-            self._keep_quantized(blocks, half_copies=False, only=True)
+            kept = self._keep_quantized(blocks, half_copies=False, only=True)
+            if not self.unread_layers <= set(kept):
+                raise RuntimeError(f"layers whose weights were left unread got no quantized blocks: "
+                                   f"{sorted(self.unread_layers - set(kept))}")
         if self.c_kernels is not None:
             # Every step reads packed copies (in the checkpoint's dtype) through the C GEMM, but
             # where torch's native half-precision GEMMs (AMX) take the GEMMs of more than
@@ -250,7 +264,28 @@ class ModelRunner:
         self.model.checkpoint_blocks = {}  # (the layers take what they read)
         return weights
 
-    def _choose_quantized_only(self, asked: str, blocks: dict, copy_bytes: int) -> bool:
+    def _unread_weights(self, model_config, shapes: dict, copy_bytes: int) -> frozenset:
+        """The weights of a GGUF conversion (`shapes`: its blocks, quantized_shapes) that need not
+        be read: those of the layers that will hold only their blocks (not a head tied to the
+        embedding), where they will; decides self.quantized_only."""
+        if model_config.cpu_weights == "copies":
+            self.quantized_only = False
+            return frozenset()
+        with torch.device("meta"):
+            model = build_model(model_config.hf_config)
+        layers = model.quantized_layers({name: (kind, row_bytes) for name, (kind, _, row_bytes) in shapes.items()})
+        if model.arch.tie_word_embeddings:
+            layers.pop("lm_head", None)
+        weights = [name for names in layers.values() for name in names]
+        sizes = [(rows, row_bytes // BLOCKS[kind][1] * BLOCKS[kind][0])
+                 for kind, rows, row_bytes in (shapes[name] for name in weights)]
+        self.quantized_only = self._choose_quantized_only(model_config.cpu_weights, sizes, copy_bytes)
+        if not self.quantized_only:
+            return frozenset()
+        self.unread_layers = set(layers)
+        return frozenset(weights)
+
+    def _choose_quantized_only(self, asked: str, sizes: list, copy_bytes: int) -> bool:
         """Whether the layers that have quantized blocks hold them alone (--cpu-weights): where
         asked, or for "auto" where their copies of `copy_bytes` bytes a weight would take more
         than QUANTIZED_ONLY_SHARE of the machine's memory. Steps of more than a few tokens read
@@ -259,16 +294,17 @@ class ModelRunner:
         keeps its blocks alone."""
         if asked != "auto":
             return asked == "quantized"
-        copies = sum(w.shape[0] * w.shape[1] for w in blocks.values()) * copy_bytes
+        copies = sum(rows * cols for rows, cols in sizes) * copy_bytes
         only = copies > QUANTIZED_ONLY_SHARE * total_memory_bytes()
         logger.info("--cpu-weights auto: %s (their %s copies would take %.2f GiB, the machine has %.1f GiB)",
                     "the quantized layers hold their blocks alone" if only else "the quantized layers keep copies too",
                     "16-bit" if copy_bytes == 2 else "float32", copies / 2**30, total_memory_bytes() / 2**30)
         return only
 
-    def _keep_quantized(self, weights: dict, half_copies: bool, only: bool = False) -> None:
+    def _keep_quantized(self, weights: dict, half_copies: bool, only: bool = False) -> list[str]:
         """Give the linear layers their quantized `weights` (`half_copies`: the other steps read
-        16-bit copies; `only`: every step reads the blocks, the layers keep nothing else)."""
+        16-bit copies; `only`: every step reads the blocks, the layers keep nothing else); returns
+        the layers that took them."""
         if half_copies and {w.kind for w in weights.values()} == {"q8_0"}:
             # Q8_0's blocks save half of bfloat16's bytes, not three quarters: a 1B-shaped W8A8
             # bfloat16 checkpoint decoded 1.41-1.47x bfloat16's speed from them at batch 1 and 1.29x
@@ -292,6 +328,7 @@ class ModelRunner:
             logger.info("steps of at most %d tokens read the %s quantized blocks of %d of %d linear layers "
                         "(those of %s tensors)", self.quant_max_tokens, origin, len(kept), total,
                         ", ".join(kind.upper() for kind in BLOCKS))
+        return kept
 
     # -- sizing ------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from parity import (assert_same_greedy, check_parity, check_prompt_logprobs, hf_prompt_logprobs, parity_prompts,
                     prompt_token_logprobs, tokens_and_logprobs)
 from streamserve import LLM, SamplingParams
-from streamserve.models import cpu_kernels
+from streamserve.models import cpu_kernels, loader
 from streamserve.models.layers import PackedEmbedding, RMSNorm
 from streamserve.models.quantized import BLOCKS, QuantizedWeight
 from streamserve.worker import model_runner
@@ -875,8 +875,8 @@ def gguf_converted(source, dtype: torch.dtype, tmp_path) -> str:
 @pytest.mark.parametrize("half_llama_dir", [torch.bfloat16], indirect=True, ids=["bf16"])
 @pytest.mark.parametrize("eager", [False, True], ids=["c-step", "op-by-op"])
 def test_quantized_layers_hold_their_blocks_alone(half_llama_dir, eager, tmp_path, monkeypatch):
-    """--cpu-weights quantized: the layers with blocks keep nothing else (no weight, no copy),
-    and every step reads the blocks, its prefill's strips of rows dequantized as they are read;
+    """--cpu-weights quantized: the layers with blocks keep nothing else (no weight, no copy:
+    a GGUF conversion's weights for them are not even read), and every step reads the blocks, its prefill's strips of rows dequantized as they are read;
     the tokens are those of the layers that keep 16-bit copies too (--cpu-weights copies,
     whose larger steps read the copies: the same bfloat16 weights), in the C step and op by op.
     auto chooses the blocks alone where the copies would take more than a quarter of memory."""
@@ -892,9 +892,15 @@ def test_quantized_layers_hold_their_blocks_alone(half_llama_dir, eager, tmp_pat
     expected = [tokens_and_logprobs(o) for o in copies.generate(prompts, params, use_tqdm=False)]
     copies_bytes = sum(t.numel() * t.element_size() for t in copies.engine_core.model_runner.model.copies())
     del copies
+    read, iterate = [], loader.iterate_safetensors
+    monkeypatch.setattr(loader, "iterate_safetensors",
+                        lambda *a: ((n, t) for n, t in iterate(*a) if not read.append(n)))
     llm = LLM(path, cpu_weights="quantized", **args)
     runner = llm.engine_core.model_runner
     assert runner.quantized_only and (runner.c_step is None) == eager
+    # the layers that hold only their blocks had their weights left unread
+    assert read and not any(n.endswith("proj.weight") for n in read)
+    assert runner.unread_layers == {n for n, m in runner.model.named_modules() if isinstance(m, Linear)} - {"lm_head"}
     linears = {name: m for name, m in runner.model.named_modules() if isinstance(m, Linear)}
     for name, layer in linears.items():
         # (the tiny Llama's head is tied to the embedding, which has no blocks)

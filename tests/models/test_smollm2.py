@@ -22,9 +22,16 @@ def llm_f32() -> LLM:
     return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
 
 
-def test_default_model_answers_paris():
-    llm = LLM(kv_cache_memory="256MiB", max_model_len=1024)
+@pytest.mark.parametrize("cpu_weights", ["auto", "quantized"])
+def test_default_model_answers_paris(cpu_weights):
+    """Also with its Q4_1 layers holding their blocks alone (their weights left unread; the
+    Q8_0 embedding, which is the head too, read and kept)."""
+    llm = LLM(kv_cache_memory="256MiB", max_model_len=1024, cpu_weights=cpu_weights)
     assert llm.config.model.model.endswith("smollm2-135m-instruct-bfloat16")
+    runner = llm.engine_core.model_runner
+    if runner.c_kernels is not None:
+        assert runner.quantized_only == (cpu_weights == "quantized")
+        assert len(runner.unread_layers) == (4 * 30 if cpu_weights == "quantized" else 0)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
