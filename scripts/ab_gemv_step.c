@@ -12,7 +12,8 @@
 #include <string.h>
 #include <time.h>
 #include <sys/mman.h>
-typedef int (*gemv_t)(const float *, const unsigned char *, float *, long, long, long);
+/* (the last argument, bf16, since 2026-12-04: builds from before take six and ignore it) */
+typedef int (*gemv_t)(const float *, const unsigned char *, float *, long, long, long, long);
 typedef long (*rb_t)(long, long);
 typedef void (*gemm_t)(const float *, const unsigned short *, float *, long, long, long);
 static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
@@ -60,7 +61,7 @@ int main(int argc, char **argv) {
             for (long i = 0; i < nw; i++) {
                 const long o = i < 120 ? offs[i % (4 * layers)] : offs[i];
                 if (bf16[v]) gemm[v](x, (const unsigned short *)(w + o), y, M, Ns[i], Ks[i]);
-                else (types[i] == 4 ? q41[v] : q80[v])(x, w + o, y, M, Ns[i], Ks[i]);
+                else (types[i] == 4 ? q41[v] : q80[v])(x, w + o, y, M, Ns[i], Ks[i], 1);
             }
             if (p >= 2) t[v * passes + p - 2] = now() - t0;
         }

@@ -125,7 +125,8 @@ class ModelConfig:
     cpu_weights: str = field(default="auto", metadata={
         "help": "on the CPU, what the linear layers of a quantized model (GGUF, AWQ, GPTQ, ...) whose "
                 "blocks the C kernels read hold: quantized (the blocks alone, about the checkpoint's memory), "
-                "copies (16-bit copies too, for faster steps of 5 to ~64 tokens), or auto"})
+                "copies (16-bit copies too, which steps of more than a few tokens read faster), or auto (the "
+                "blocks alone where the copies would take more than a quarter of this process's memory)"})
     max_model_len: Optional[int] = field(default=None, metadata={
         "help": "longest sequence (prompt + output) in tokens (default: the model's context length, or "
                 "what the KV cache holds where that is less)"})

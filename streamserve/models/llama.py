@@ -498,11 +498,12 @@ class LlamaForCausalLM(nn.Module):
         """Give each linear layer whose checkpoint tensors are all in `weights` (Hugging Face
         name -> QuantizedWeight, one kind) its blocks, read by `gemvs[kind]` for steps of at
         most `max_rows` rows, or with `only` for every step, in place of its weight (but a head
-        tied to the embedding keeps that). Returns the layers that got them."""
+        tied to the embedding keeps that). Takes (pops) from `weights` what it gives, so that each
+        original goes once its layer has packed it. Returns the layers that got them."""
         modules = dict(self.named_modules())
         kept = []
         for name, names in self.quantized_layers({n: (w.kind, w.blocks.shape[1]) for n, w in weights.items()}).items():
-            stacked = QuantizedWeight.stacked([weights[n] for n in names])
+            stacked = QuantizedWeight.stacked([weights.pop(n) for n in names])
             if stacked.kind in gemvs:
                 tied = name == "lm_head" and self.arch.tie_word_embeddings
                 modules[name].keep_quantized(stacked, gemvs[stacked.kind], max_rows, only and not tied)

@@ -76,11 +76,21 @@ PROMPT_LOGPROBS_ROWS = 256
 
 
 def total_memory_bytes() -> int:
-    """The machine's memory (4 GiB where the OS does not say)."""
+    """The memory this process may use: the machine's (4 GiB where the OS does not say), or less
+    where its cgroup (a container's limit) allows less."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return 4 << 30
+        total = 4 << 30
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # v2, v1
+        try:
+            with open(path, encoding="ascii") as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
 
 
 def native_half_gemms(dtype: torch.dtype) -> bool:
@@ -145,7 +155,12 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         # (with the C kernels, a 16-bit checkpoint's linear weights are kept only as packed copies
         # in its dtype, below: they are loaded in it)
-        copy_bytes = 4 if low_precision is None else 2  # of a weight's copy, where the C kernels read copies
+        # the bytes a weight's copies take, where the C kernels read copies: a packed one in the
+        # checkpoint's dtype (float32 for a float32 one), and a row-major one too where torch's native
+        # half GEMMs take the larger steps (below)
+        two_copies = native_half and not (low_precision == torch.bfloat16 and kernels is not None
+                                          and kernels.bf16_dot_min_rows > 0)
+        copy_bytes = (4 if low_precision is None else 2) * (2 if two_copies else 1)
         # Whether the layers that have quantized blocks hold them alone (--cpu-weights): for a GGUF
         # conversion decided before loading, so that those layers' weights are never read
         self.quantized_only: Optional[bool] = None
@@ -175,12 +190,15 @@ class ModelRunner:
             QUANT_MAX_TOKENS_FLOAT32 if low_precision is None
             else QUANT_MAX_TOKENS_SEVERAL_STREAMS if self.c_kernels is not None and self.c_kernels.several_streams
             else QUANT_MAX_TOKENS)
-        blocks = self._quantized_blocks(config.model.model) if self.c_kernels is not None else {}
+        # The quantized blocks: a checkpoint's, held already; a GGUF's, read here where the layers
+        # will hold them alone, else after the copies are made (the layers take each as they use it)
+        blocks = (self._quantized_blocks(config.model.model)
+                  if self.c_kernels is not None and (self.quantized_only or self.model.checkpoint_blocks) else {})
         if self.quantized_only is None:
             self.quantized_only = bool(blocks) and self._choose_quantized_only(
                 config.model.cpu_weights, [w.shape for w in blocks.values()], copy_bytes)
         if self.quantized_only:  # (first: these layers' weights go before the others' copies are made)
-            kept = self._keep_quantized(blocks, half_copies=False, only=True)
+            kept = self._keep_quantized(blocks, half_copies=low_precision is not None, only=True)
             if not self.unread_layers <= set(kept):
                 raise RuntimeError(f"layers whose weights were left unread got no quantized blocks: "
                                    f"{sorted(self.unread_layers - set(kept))}")
@@ -211,8 +229,11 @@ class ModelRunner:
             logger.info("computing in float32, with %s weight copies read by torch for steps of at most %d tokens",
                         half, LOW_PRECISION_MAX_TOKENS)
             self.model.keep_copies(low_precision)
-        if blocks and not self.quantized_only:
-            self._keep_quantized(blocks, half_copies=low_precision is not None)
+        if self.c_kernels is not None and not self.quantized_only:
+            blocks = blocks or self._quantized_blocks(config.model.model)
+            if blocks:
+                self._keep_quantized(blocks, half_copies=low_precision is not None)
+        del blocks  # (what the layers did not take)
         if self.device.type == "cpu":
             self.model.move_copies(cpu_kernels.onto_huge_pages)
             cpu_kernels.release_freed_memory()
@@ -296,9 +317,9 @@ class ModelRunner:
             return asked == "quantized"
         copies = sum(rows * cols for rows, cols in sizes) * copy_bytes
         only = copies > QUANTIZED_ONLY_SHARE * total_memory_bytes()
-        logger.info("--cpu-weights auto: %s (their %s copies would take %.2f GiB, the machine has %.1f GiB)",
+        logger.info("--cpu-weights auto: %s (their copies would take %.2f GiB, this process may have %.1f GiB)",
                     "the quantized layers hold their blocks alone" if only else "the quantized layers keep copies too",
-                    "16-bit" if copy_bytes == 2 else "float32", copies / 2**30, total_memory_bytes() / 2**30)
+                    copies / 2**30, total_memory_bytes() / 2**30)
         return only
 
     def _keep_quantized(self, weights: dict, half_copies: bool, only: bool = False) -> list[str]:
@@ -321,8 +342,9 @@ class ModelRunner:
         total = sum(isinstance(m, Linear) for m in self.model.modules())
         origin = self.blocks_origin
         if only:
+            alone = sum(isinstance(m, Linear) and m.only_quantized for m in self.model.modules())
             logger.info("every step reads the %s quantized blocks of %d of %d linear layers (those of %s "
-                        "tensors; --cpu-weights), which keep no other copy", origin, len(kept), total,
+                        "tensors; --cpu-weights), which keep no other copy", origin, alone, total,
                         ", ".join(kind.upper() for kind in BLOCKS))
         else:
             logger.info("steps of at most %d tokens read the %s quantized blocks of %d of %d linear layers "

@@ -5,7 +5,9 @@ against transformers (the float32 parity tests run the C RMSNorm throughout)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from parity import (assert_same_greedy, check_parity, check_prompt_logprobs, hf_prompt_logprobs, parity_prompts,
                     prompt_token_logprobs, tokens_and_logprobs)
 from streamserve import LLM, SamplingParams
-from streamserve.models import cpu_kernels, loader
+from streamserve.models import cpu_kernels, layers, loader
 from streamserve.models.layers import PackedEmbedding, RMSNorm
 from streamserve.models.quantized import BLOCKS, QuantizedWeight
 from streamserve.worker import model_runner
@@ -895,7 +897,32 @@ def test_quantized_layers_hold_their_blocks_alone(half_llama_dir, eager, tmp_pat
     read, iterate = [], loader.iterate_safetensors
     monkeypatch.setattr(loader, "iterate_safetensors",
                         lambda *a: ((n, t) for n, t in iterate(*a) if not read.append(n)))
+    originals, read_blocks = [], model_runner.read_quantized
+
+    def read_quantized(model_dir):
+        blocks = read_blocks(model_dir)
+        originals.extend(weakref.ref(w.blocks) for w in blocks.values())
+        return blocks
+    alive, onto_huge_pages = [], cpu_kernels.onto_huge_pages
+
+    def moved(tensors):  # (the copies' move, where the load peaks)
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in originals))
+        return onto_huge_pages(tensors)
+    packing, pack_quantized = [], layers.pack_quantized
+
+    def pack(weight):
+        gc.collect()
+        packing.append(sum(ref() is not None for ref in originals))
+        return pack_quantized(weight)
+    monkeypatch.setattr(model_runner, "read_quantized", read_quantized)
+    monkeypatch.setattr(cpu_kernels, "onto_huge_pages", moved)
+    monkeypatch.setattr(layers, "pack_quantized", pack)
     llm = LLM(path, cpu_weights="quantized", **args)
+    # each block the file held went once its layer had packed it, so none is left for the copies' move
+    # (while a layer packs, the parts it took are gone and only later layers' remain)
+    assert originals and packing == sorted(set(packing), reverse=True) and packing[0] < len(originals)
+    assert packing[-1] <= 2 and alive == [0]
     runner = llm.engine_core.model_runner
     assert runner.quantized_only and (runner.c_step is None) == eager
     # the layers that hold only their blocks had their weights left unread

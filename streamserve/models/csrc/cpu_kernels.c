@@ -1022,11 +1022,13 @@ static void strip_rows_bf16(const uint16_t *x, const uint16_t *s, float *y, long
 }
 
 /* y = x @ w.T for float32 x, rounded to bfloat16 (w: regrouped rows of row_bytes), a strip of
- * rows at a time dequantized to bfloat16 into the thread's scratch (at most QUANT_STRIP_BYTES, 3
- * rows at least); -1 without memory. */
+ * rows at a time dequantized to bfloat16 into the thread's scratch (at most QUANT_STRIP_BYTES, and
+ * short enough that each thread takes four, 3 rows at least); -1 without memory. */
 static int quant_strips_bf16(void (*dequantize)(const uint8_t *, long, uint16_t *), long row_bytes, const float *x,
                              const uint8_t *w, float *y, long M, long N, long K) {
     long strip = QUANT_STRIP_BYTES / (K * (long)sizeof(uint16_t)) / 3 * 3;
+    const long share = N / (4 * omp_get_max_threads()) / 3 * 3;  /* four strips a thread at least */
+    if (strip > share) strip = share;
     if (strip < 3) strip = 3;
     uint16_t *xb = bf16_rows(x, M, K, M);
     if (xb == NULL) return -1;
