@@ -8,6 +8,8 @@ loads it in a process of its own, which prints its peak resident memory during t
 hold.
 
     python scripts/bench_load_memory.py --shape olmo2-1b --cpu-weights copies quantized
+    python scripts/bench_load_memory.py --shape olmo2-1b \
+        --model ~/.cache/streamserve/bench-quant-olmo2-1b/group128/awq-4bit   # after bench_quantized.py
 """
 
 from __future__ import annotations
@@ -65,16 +67,20 @@ def main() -> None:
     parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     parser.add_argument("--cpu-weights", nargs="+", default=["copies", "quantized"],
                         choices=["auto", "quantized", "copies"])
+    parser.add_argument("--model", help="load this model directory instead (e.g. one of bench_quantized.py's "
+                                        "checkpoints)")
     args = parser.parse_args()
     root = os.path.join(os.path.expanduser("~/.cache/streamserve"), f"bench-quant-{args.shape}")
-    path = gguf_layout(random_shaped(os.path.join(root, "bf16"), args.shape), os.path.join(root, "gguf-q4_1"))
+    path = args.model or gguf_layout(random_shaped(os.path.join(root, "bf16"), args.shape),
+                                     os.path.join(root, "gguf-q4_1"))
+    label = os.path.basename(path.rstrip("/")) if args.model else "Q4_1"
     for mode in args.cpu_weights:
         out = subprocess.run([sys.executable, "-c", CHILD, path, mode], capture_output=True, text=True, cwd=HERE,
                              env={**os.environ, "PYTHONPATH": HERE})
         if out.returncode:
             sys.exit(out.stderr[-2000:])
         peak, resident, held = out.stdout.split()[-3:]
-        print(f"{args.shape} Q4_1 --cpu-weights {mode}: load peak {peak} GiB, resident {resident} GiB, "
+        print(f"{args.shape} {label} --cpu-weights {mode}: load peak {peak} GiB, resident {resident} GiB, "
               f"weights hold {held} GiB", flush=True)
 
 

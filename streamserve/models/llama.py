@@ -375,6 +375,7 @@ class LlamaForCausalLM(nn.Module):
         # a quantized checkpoint's weights as GGUF blocks (Hugging Face name -> QuantizedWeight),
         # which the loader fills where the CPU's quantized GEMV will read them (models/quantization.py)
         self.checkpoint_blocks: dict = {}
+        self.unread_weights: frozenset = frozenset()  # (load_model's blocks_only: what went to the blocks alone)
 
     def tie_weights(self) -> None:
         """Tied: the head is a Linear sharing the embedding's weight (re-tie after moves)."""
@@ -544,6 +545,16 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(piece, fused), shard
         return name, None
 
+    def fused_siblings(self, prefix: str) -> list[str]:
+        """The checkpoint layers (names without ".weight") that make up the fused layer `prefix`
+        goes into, in order: q, k, v or gate, up; or prefix alone."""
+        head, _, last = prefix.rpartition(".")
+        if last not in self.STACKED:
+            return [prefix]
+        fused = self.STACKED[last][0]
+        pieces = sorted((shard, piece) for piece, (f, shard) in self.STACKED.items() if f == fused)
+        return [f"{head}.{piece}" for _, piece in pieces]
+
     def _mark_loaded(self, loaded: set[str], target: str, offset_rows: Optional[int]) -> None:
         """Count parameter `target`'s shard as loaded (_check_complete's keys): all of a fused
         parameter's where a checkpoint stores it fused (Phi-3)."""
@@ -556,11 +567,9 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], skipped: Iterable[str] = ()) -> None:
         """Copy checkpoint tensors (HF names) into the fused parameters; fail on gaps. `skipped`:
         weights left unread on purpose (layers that keep only their quantized blocks, which they
-        are given after), counted as loaded."""
+        are given after), counted as loaded (read once `weights` is done)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name in skipped:
-            self._mark_loaded(loaded, *self._destination(name.removeprefix("model.")))
         stored_head = None
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -588,6 +597,8 @@ class LlamaForCausalLM(nn.Module):
             if self.arch.norm_offset and target.endswith("norm.weight"):
                 dest += 1.0  # Gemma's norms scale by 1 + weight
             self._mark_loaded(loaded, target, offset_rows)
+        for name in skipped:  # (after the weights: a quantized checkpoint's are known as they are read)
+            self._mark_loaded(loaded, *self._destination(name.removeprefix("model.")))
         embedding = self.embed_tokens.weight
         if stored_head is not None and not torch.equal(stored_head.to(embedding.dtype), embedding.data):
             logger.warning("the checkpoint ties its head to the embedding but stores a different "

@@ -74,7 +74,7 @@ def fill_random(model: torch.nn.Module, seed: int) -> None:
 
 def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
                keep_blocks: bool = False, linear_dtype: Optional[torch.dtype] = None,
-               skip: frozenset = frozenset()) -> LlamaForCausalLM:
+               skip: frozenset = frozenset(), blocks_only: bool = False) -> LlamaForCausalLM:
     """Build the model on `device` in `dtype` and fill in its weights: a quantized checkpoint's
     dequantized (models/quantization.py), their GGUF blocks in `model.checkpoint_blocks` where
     `keep_blocks` (the CPU's quantized GEMV reads them). With `linear_dtype`, the linear layers'
@@ -82,7 +82,9 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
     they are looked up: where the runner keeps only copies of them in it (a 16-bit checkpoint on
     the CPU's C kernels), so that loading takes half of float32's memory. `skip`: the weights of
     a GGUF conversion's layers that will hold only its blocks, left unread (their parameters are
-    never written, so their pages are never touched)."""
+    never written, so their pages are never touched). `blocks_only`: likewise for a quantized
+    checkpoint's layers that turn out to have blocks (Dequantizer's), their names then in
+    `model.unread_weights`."""
     with torch.device("meta"):
         model = build_model(model_config.hf_config)
     # each tensor allocated in place of its meta one, uninitialised, floating ones in `dtype`: what
@@ -107,9 +109,11 @@ def load_model(model_config: ModelConfig, device: torch.device, dtype: torch.dty
         config = quantization_config(model_config.hf_config)
         logger.info("reading a checkpoint quantized with %s, its weights dequantized to %s",
                     describe(model_config.quantization, config), str(linear_dtype or dtype).removeprefix("torch."))
-        dequantize = Dequantizer(model_config.quantization, config, checkpoint_names(model_config.model), keep_blocks)
-        model.load_weights(dequantize(iterate_safetensors(model_config.model)))
-        model.checkpoint_blocks = dequantize.blocks
+        dequantize = Dequantizer(model_config.quantization, config, checkpoint_names(model_config.model), keep_blocks,
+                                 blocks_only, fused=lambda prefix: [] if prefix == "lm_head" and model.arch.tie_word_embeddings
+                                 else model.fused_siblings(prefix))
+        model.load_weights(dequantize(iterate_safetensors(model_config.model)), skipped=dequantize.unread)
+        model.checkpoint_blocks, model.unread_weights = dequantize.blocks, frozenset(dequantize.unread)
     else:
         model.load_weights(iterate_safetensors(model_config.model, skip), skipped=skip)
     for rotary in model.rotaries():

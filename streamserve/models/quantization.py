@@ -32,7 +32,7 @@ Each layout, as the tools that write it lay it out (the weight W is [out, in]):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -303,11 +303,20 @@ def _scaled(weight: torch.Tensor, scale: torch.Tensor, block: Optional[list]) ->
 class Dequantizer:
     """Turns a quantized checkpoint's tensors, as they are read, into the plain ones the model
     loads: each quantized layer's parts, once all have come, as one float32 `.weight` (and its
-    GGUF blocks, in `blocks`, when `keep_blocks`); everything else as it is."""
+    GGUF blocks, in `blocks`, when `keep_blocks`); everything else as it is.
 
-    def __init__(self, method: str, config: dict, names: Iterable[str], keep_blocks: bool) -> None:
+    With `blocks_only` (the CPU's --cpu-weights quantized), a layer whose weights all become
+    blocks of one kind and row width gives those alone, no `.weight` (its name goes into
+    `unread`): "a layer" as the model fuses them, `fused(prefix)` naming the checkpoint layers
+    that make up prefix's (q, k and v; gate and up), which wait for each other."""
+
+    def __init__(self, method: str, config: dict, names: Iterable[str], keep_blocks: bool,
+                 blocks_only: bool = False, fused: Optional[Callable[[str], list[str]]] = None) -> None:
         self.method, self.config, self.keep_blocks = method, config, keep_blocks
         self.blocks: dict[str, QuantizedWeight] = {}
+        self.blocks_only, self.fused = blocks_only and keep_blocks, fused or (lambda prefix: [prefix])
+        self.unread: set[str] = set()
+        self.waiting: dict[str, IntWeight] = {}  # (blocks_only: layers whose fused siblings have not come)
         # each quantized layer's parts, from the checkpoint's names (its shards may split them)
         found: dict[str, set[str]] = {}
         for name in names:
@@ -337,23 +346,54 @@ class Dequantizer:
             parts[part] = tensor
             if len(parts) == len(self.expected[prefix]):
                 del self.pending[prefix]
-                yield f"{prefix}.weight", self.weight(prefix, parts)
+                yield from self.layer(prefix, parts)
+        for prefix in list(self.waiting):  # (a sibling that never came is the pending error's below)
+            if not self.pending:
+                yield f"{prefix}.weight", self.weight(prefix, self.waiting.pop(prefix))
         if self.pending:
             prefix, parts = next(iter(self.pending.items()))
             raise ValueError(f"the checkpoint's quantized layer {prefix!r} lacks "
                              f"{sorted(self.expected[prefix] - set(parts))}")
 
-    def weight(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    def layer(self, prefix: str, parts: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """What the model loads of a quantized layer once its parts have come."""
+        ints, siblings = self.ints(prefix, parts), self.fused(prefix)
+        # (a fused layer whose parts are not all quantized reads its weight whole; so does one whose
+        # fused() is empty: a head tied to the embedding)
+        if (not isinstance(ints, IntWeight) or not self.blocks_only or not siblings
+                or not all(p in self.expected for p in siblings)):
+            yield f"{prefix}.weight", self.weight(prefix, ints)
+            return
+        self.waiting[prefix] = ints
+        if not all(p in self.waiting for p in siblings):
+            return
+        held = [self.waiting.pop(p) for p in siblings]
+        blocks = [ints.blocks() for ints in held]
+        if all(b is not None for b in blocks) and len({(b.kind, b.blocks.shape[1]) for b in blocks}) == 1:
+            for p, b in zip(siblings, blocks):
+                self.blocks[f"{p}.weight"] = b
+                self.unread.add(f"{p}.weight")
+            return
+        for p, ints in zip(siblings, held):
+            yield f"{p}.weight", self.weight(p, ints)
+
+    def ints(self, prefix: str, parts: dict[str, torch.Tensor]) -> Union["IntWeight", torch.Tensor]:
+        """A layer's integers (IntWeight), or its float weight where the format stores floats (FP8)."""
         try:
             if self.method == "fp8" or (self.method == "compressed-tensors" and "weight" in parts
                                         and parts["weight"].is_floating_point()):
                 scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
                 return _scaled(parts["weight"], scale, self.block_shape)
             read = {"awq": _awq, "gptq": _gptq}.get(self.method)
-            ints = read(parts, self.config) if read else _ct_int(parts)
+            return read(parts, self.config) if read else _ct_int(parts)
         except (KeyError, RuntimeError, IndexError, ValueError) as exc:
             raise ValueError(f"cannot read the quantized layer {prefix!r} ({', '.join(sorted(parts))}) "
                              f"as {self.method}: {exc}") from exc
+
+    def weight(self, prefix: str, ints: Union["IntWeight", torch.Tensor]) -> torch.Tensor:
+        """The layer's float32 weight (its blocks kept too, where `keep_blocks` and it has them)."""
+        if not isinstance(ints, IntWeight):
+            return ints
         if self.keep_blocks:
             blocks = ints.blocks()
             if blocks is not None:

@@ -169,8 +169,14 @@ class ModelRunner:
         shapes = quantized_shapes(config.model.model) if c_ok and self.dtype == torch.float32 else {}
         if shapes:
             unread = self._unread_weights(config.model, shapes, copy_bytes)
+        elif c_ok and self.dtype == torch.float32 and config.model.quantization not in (None, "gguf"):
+            self._choose_for_checkpoint(config.model, copy_bytes)
         self.model = load_model(config.model, self.device, self.dtype, keep_blocks=c_ok and self.dtype == torch.float32,
-                                linear_dtype=low_precision if c_ok else None, skip=unread)
+                                linear_dtype=low_precision if c_ok else None, skip=unread,
+                                blocks_only=bool(self.quantized_only))
+        if self.model.unread_weights:  # (a quantized checkpoint's layers that went to their blocks alone)
+            layers = self.model.quantized_layers({name: () for name in self.model.unread_weights})
+            self.unread_layers = set(layers)
         self.to_device = HostStaging(self.device)  # numpy array -> device tensor
         self.low_precision_max_tokens = 0  # steps up to this many tokens read the weight copies
         self.c_kernels = kernels if c_ok and self.dtype == torch.float32 else None
@@ -194,6 +200,8 @@ class ModelRunner:
         # will hold them alone, else after the copies are made (the layers take each as they use it)
         blocks = (self._quantized_blocks(config.model.model)
                   if self.c_kernels is not None and (self.quantized_only or self.model.checkpoint_blocks) else {})
+        if self.quantized_only and not blocks:  # (a checkpoint none of whose layers had blocks: FP8's)
+            self.quantized_only = False
         if self.quantized_only is None:
             self.quantized_only = bool(blocks) and self._choose_quantized_only(
                 config.model.cpu_weights, [w.shape for w in blocks.values()], copy_bytes)
@@ -305,6 +313,25 @@ class ModelRunner:
             return frozenset()
         self.unread_layers = set(layers)
         return frozenset(weights)
+
+    def _choose_for_checkpoint(self, model_config, copy_bytes: int) -> None:
+        """Decide self.quantized_only for a quantized Hugging Face checkpoint before it loads (so
+        that the layers that will hold only their blocks are never dequantized into weights),
+        from the sizes of its quantized layers (which of them get blocks shows only as they are
+        read: auto counts them all)."""
+        from streamserve.models.loader import checkpoint_names
+        from streamserve.models.quantization import MARKS
+
+        with torch.device("meta"):
+            model = build_model(model_config.hf_config)
+        marked = {}
+        for name in checkpoint_names(model_config.model):
+            prefix, _, part = name.rpartition(".")
+            if part in MARKS:
+                marked[f"{prefix}.weight"] = ()
+        modules = dict(model.named_modules())
+        sizes = [(modules[layer].out_features, modules[layer].in_features) for layer in model.quantized_layers(marked)]
+        self.quantized_only = self._choose_quantized_only(model_config.cpu_weights, sizes, copy_bytes)
 
     def _choose_quantized_only(self, asked: str, sizes: list, copy_bytes: int) -> bool:
         """Whether the layers that have quantized blocks hold them alone (--cpu-weights): where

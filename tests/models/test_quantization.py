@@ -285,6 +285,37 @@ def test_a_layer_missing_a_part_is_named(src, tmp_path):
         LLM(path, dtype="float32", kv_cache_memory="16MiB")
 
 
+@pytest.mark.parametrize("fmt", ["awq", "ct-W8A8", "gptq-act-order", "fp8"])
+def test_a_checkpoints_layers_may_hold_their_blocks_alone(src, tmp_path, monkeypatch, fmt):
+    """--cpu-weights quantized: a checkpoint's layers whose weights become blocks (AWQ's Q4_1,
+    W8A8's Q8_0) hold those alone and are never dequantized into weights; the tokens are those of
+    --cpu-weights copies (whose prefill reads the exact weights' bfloat16 copies). Layers without blocks (GPTQ with act-order's shuffled groups, FP8) read
+    their weights as before."""
+    from parity import assert_same_greedy, tokens_and_logprobs
+    from streamserve import SamplingParams
+    from streamserve.models import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels do not build here")
+    path, _ = quantized_model(src, tmp_path, fmt)
+    prompts, params = [list(range(3, 30)), [5, 6, 7]], SamplingParams(temperature=0, max_tokens=5, logprobs=0)
+    args = dict(dtype="bfloat16", kv_cache_memory="16MiB")
+    expected = [tokens_and_logprobs(o) for o in LLM(path, cpu_weights="copies", **args).generate(prompts, params)]
+    dequantized_layers, dequantize = [], IntWeight.dequantize
+    monkeypatch.setattr(IntWeight, "dequantize", lambda self: dequantized_layers.append(1) or dequantize(self))
+    llm = LLM(path, cpu_weights="quantized", **args)
+    runner = llm.engine_core.model_runner
+    alone = {n for n, m in runner.model.named_modules() if getattr(m, "only_quantized", False)}
+    if fmt in ("awq", "ct-W8A8"):
+        assert runner.quantized_only and not dequantized_layers
+        assert alone == runner.unread_layers and len(alone) == 4 * runner.model.arch.num_layers
+    else:
+        assert not runner.quantized_only and not alone and not runner.model.unread_weights
+    # (within what the blocks' float16 scales and Q4_1's minimum, -zero * scale rounded to float16,
+    # each within 2^-11 of the checkpoint's, move the prefill's logprobs on this tiny random model)
+    assert_same_greedy(llm.generate(prompts, params, use_tqdm=False), expected, logprob_tol=3e-2)
+
+
 def test_an_8bit_checkpoints_blocks_serve_steps_of_two_tokens_beside_bfloat16_copies(src, tmp_path):
     """Q8_0's blocks save half of bfloat16's bytes: beside bfloat16 copies they pay at one or two
     tokens only (model_runner._keep_quantized), where 4-bit blocks serve steps of up to a few."""
