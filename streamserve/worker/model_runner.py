@@ -153,8 +153,6 @@ class ModelRunner:
         c_ok = kernels is not None and config.device.kernel_backend == "torch"
         self.dtype, low_precision, native_half = choose_dtypes(config.model.torch_dtype, self.device, c_ok)
         self.block_size = config.cache.block_size
-        # (with the C kernels, a 16-bit checkpoint's linear weights are kept only as packed copies
-        # in its dtype, below: they are loaded in it)
         # the bytes a weight's copies take, where the C kernels read copies: a packed one in the
         # checkpoint's dtype (float32 for a float32 one), and a row-major one too where torch's native
         # half GEMMs take the larger steps (below)
@@ -171,6 +169,8 @@ class ModelRunner:
             unread = self._unread_weights(config.model, shapes, copy_bytes)
         elif c_ok and self.dtype == torch.float32 and config.model.quantization not in (None, "gguf"):
             self._choose_for_checkpoint(config.model, copy_bytes)
+        # (with the C kernels, a 16-bit checkpoint's linear weights are kept only as packed copies
+        # in its dtype, below: they are loaded in it)
         self.model = load_model(config.model, self.device, self.dtype, keep_blocks=c_ok and self.dtype == torch.float32,
                                 linear_dtype=low_precision if c_ok else None, skip=unread,
                                 blocks_only=bool(self.quantized_only))
