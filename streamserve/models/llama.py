@@ -477,9 +477,7 @@ class LlamaForCausalLM(nn.Module):
         """The linear layers whose checkpoint tensors all have blocks of one kind and row width
         (`kinds`: Hugging Face name -> (kind, bytes a row of blocks)): layer name -> those names,
         its parts in order (q, k, v; gate, up) or the one fused tensor a checkpoint may hold (Phi-3)."""
-        pieces: dict[str, list[str]] = {}
-        for piece, (fused, shard) in sorted(self.STACKED.items(), key=lambda item: item[1]):
-            pieces.setdefault(fused, []).append(piece)
+        pieces = self.fused_pieces()
         found = {}
         for name, module in self.named_modules():
             if not isinstance(module, Linear):
@@ -521,10 +519,10 @@ class LlamaForCausalLM(nn.Module):
         for key, layer in layers.items():
             targets[key] = LoRATarget(key, 0, layer.out_features, layer.in_features, layer.out_features)
             prefix, _, fused = key.rpartition(".")
-            pieces = sorted((shard, piece) for piece, (name, shard) in self.STACKED.items() if name == fused)
+            pieces = self.fused_pieces().get(fused, [])
             if pieces:
                 sizes = self.shard_sizes(fused)
-                for shard, piece in pieces:
+                for shard, piece in enumerate(pieces):
                     targets[f"{prefix}.{piece}"] = LoRATarget(key, sum(sizes[:shard]), sizes[shard], layer.in_features,
                                                               layer.out_features)
         return targets
@@ -545,15 +543,21 @@ class LlamaForCausalLM(nn.Module):
                 return name.replace(piece, fused), shard
         return name, None
 
+    @classmethod
+    def fused_pieces(cls) -> dict[str, list[str]]:
+        """Each fused layer's checkpoint pieces, in order: qkv_proj's q, k, v; gate_up_proj's gate, up."""
+        pieces: dict[str, list[str]] = {}
+        for piece, (fused, _) in sorted(cls.STACKED.items(), key=lambda item: item[1]):
+            pieces.setdefault(fused, []).append(piece)
+        return pieces
+
     def fused_siblings(self, prefix: str) -> list[str]:
         """The checkpoint layers (names without ".weight") that make up the fused layer `prefix`
         goes into, in order: q, k, v or gate, up; or prefix alone."""
         head, _, last = prefix.rpartition(".")
         if last not in self.STACKED:
             return [prefix]
-        fused = self.STACKED[last][0]
-        pieces = sorted((shard, piece) for piece, (f, shard) in self.STACKED.items() if f == fused)
-        return [f"{head}.{piece}" for _, piece in pieces]
+        return [f"{head}.{piece}" for piece in self.fused_pieces()[self.STACKED[last][0]]]
 
     def _mark_loaded(self, loaded: set[str], target: str, offset_rows: Optional[int]) -> None:
         """Count parameter `target`'s shard as loaded (_check_complete's keys): all of a fused
