@@ -300,6 +300,17 @@ def _scaled(weight: torch.Tensor, scale: torch.Tensor, block: Optional[list]) ->
 # -- reading a checkpoint -------------------------------------------------------
 
 
+def quantized_names(names: Iterable[str]) -> dict[str, tuple]:
+    """Of a quantized checkpoint's tensor `names`, the weights stored quantized, by the names they
+    load as (".weight"): name -> () (LlamaForCausalLM.quantized_layers' form, kinds unknown)."""
+    quantized = {}
+    for name in names:
+        prefix, _, part = name.rpartition(".")
+        if part in MARKS:
+            quantized[f"{prefix}.weight"] = ()
+    return quantized
+
+
 class Dequantizer:
     """Turns a quantized checkpoint's tensors, as they are read, into the plain ones the model
     loads: each quantized layer's parts, once all have come, as one float32 `.weight` (and its

@@ -27,9 +27,10 @@ from streamserve.engine.scheduler_output import ModelRunnerOutput, SchedulerOutp
 from streamserve.lora.step import LoRAStep
 from streamserve.models import cpu_kernels
 from streamserve.models.layers import Linear
-from streamserve.models.loader import load_model
-from streamserve.models.registry import build_model
+from streamserve.models.loader import checkpoint_names, load_model
+from streamserve.models.quantization import quantized_names
 from streamserve.models.quantized import BLOCKS, quantized_shapes, read_quantized
+from streamserve.models.registry import build_model
 from streamserve.worker.attention import AttentionMetadata, PrefillChunk, TorchPagedAttention
 from streamserve.worker.block_table import BlockTable
 from streamserve.worker.cuda_graphs import DecodeGraphs, capture_sizes
@@ -164,11 +165,17 @@ class ModelRunner:
         self.quantized_only: Optional[bool] = None
         self.unread_layers: set[str] = set()  # (the layers whose weights those are)
         unread: frozenset = frozenset()
-        shapes = quantized_shapes(config.model.model) if c_ok and self.dtype == torch.float32 else {}
-        if shapes:
-            unread = self._unread_weights(config.model, shapes, copy_bytes)
-        elif c_ok and self.dtype == torch.float32 and config.model.quantization not in (None, "gguf"):
-            self._choose_for_checkpoint(config.model, copy_bytes)
+        if c_ok and self.dtype == torch.float32 and config.model.cpu_weights != "copies":
+            shapes = quantized_shapes(config.model.model)
+            if shapes:  # a GGUF conversion: its blocks are known, and the weights of those that serve alone go unread
+                layers = self._plan_quantized_only(
+                    config.model, {name: (kind, row_bytes) for name, (kind, _, row_bytes) in shapes.items()}, copy_bytes)
+                if self.quantized_only:
+                    self.unread_layers = set(layers)
+                    unread = frozenset(name for names in layers.values() for name in names)
+            elif config.model.quantization is not None:  # a quantized checkpoint: its layers show as they are read
+                self._plan_quantized_only(config.model, quantized_names(checkpoint_names(config.model.model)),
+                                          copy_bytes)
         # (with the C kernels, a 16-bit checkpoint's linear weights are kept only as packed copies
         # in its dtype, below: they are loaded in it)
         self.model = load_model(config.model, self.device, self.dtype, keep_blocks=c_ok and self.dtype == torch.float32,
@@ -293,45 +300,21 @@ class ModelRunner:
         self.model.checkpoint_blocks = {}  # (the layers take what they read)
         return weights
 
-    def _unread_weights(self, model_config, shapes: dict, copy_bytes: int) -> frozenset:
-        """The weights of a GGUF conversion (`shapes`: its blocks, quantized_shapes) that need not
-        be read: those of the layers that will hold only their blocks (not a head tied to the
-        embedding), where they will; decides self.quantized_only."""
-        if model_config.cpu_weights == "copies":
-            self.quantized_only = False
-            return frozenset()
+    def _plan_quantized_only(self, model_config, kinds: dict, copy_bytes: int) -> dict[str, list[str]]:
+        """Decide self.quantized_only before the model loads (so that the layers that will hold
+        only their blocks are never read into weights), from the sizes of the layers whose
+        checkpoint weights `kinds` names as quantized (as LlamaForCausalLM.quantized_layers takes
+        them; for a quantized checkpoint, all of them: which get blocks shows only as they are
+        read). Returns those layers (a head tied to the embedding left out)."""
         with torch.device("meta"):
             model = build_model(model_config.hf_config)
-        layers = model.quantized_layers({name: (kind, row_bytes) for name, (kind, _, row_bytes) in shapes.items()})
+        layers = model.quantized_layers(kinds)
         if model.arch.tie_word_embeddings:
             layers.pop("lm_head", None)
-        weights = [name for names in layers.values() for name in names]
-        sizes = [(rows, row_bytes // BLOCKS[kind][1] * BLOCKS[kind][0])
-                 for kind, rows, row_bytes in (shapes[name] for name in weights)]
-        self.quantized_only = self._choose_quantized_only(model_config.cpu_weights, sizes, copy_bytes)
-        if not self.quantized_only:
-            return frozenset()
-        self.unread_layers = set(layers)
-        return frozenset(weights)
-
-    def _choose_for_checkpoint(self, model_config, copy_bytes: int) -> None:
-        """Decide self.quantized_only for a quantized Hugging Face checkpoint before it loads (so
-        that the layers that will hold only their blocks are never dequantized into weights),
-        from the sizes of its quantized layers (which of them get blocks shows only as they are
-        read: auto counts them all)."""
-        from streamserve.models.loader import checkpoint_names
-        from streamserve.models.quantization import MARKS
-
-        with torch.device("meta"):
-            model = build_model(model_config.hf_config)
-        marked = {}
-        for name in checkpoint_names(model_config.model):
-            prefix, _, part = name.rpartition(".")
-            if part in MARKS:
-                marked[f"{prefix}.weight"] = ()
         modules = dict(model.named_modules())
-        sizes = [(modules[layer].out_features, modules[layer].in_features) for layer in model.quantized_layers(marked)]
+        sizes = [(modules[name].out_features, modules[name].in_features) for name in layers]
         self.quantized_only = self._choose_quantized_only(model_config.cpu_weights, sizes, copy_bytes)
+        return layers
 
     def _choose_quantized_only(self, asked: str, sizes: list, copy_bytes: int) -> bool:
         """Whether the layers that have quantized blocks hold them alone (--cpu-weights): where
@@ -342,11 +325,11 @@ class ModelRunner:
         keeps its blocks alone."""
         if asked != "auto":
             return asked == "quantized"
-        copies = sum(rows * cols for rows, cols in sizes) * copy_bytes
-        only = copies > QUANTIZED_ONLY_SHARE * total_memory_bytes()
+        copies, memory = sum(rows * cols for rows, cols in sizes) * copy_bytes, total_memory_bytes()
+        only = copies > QUANTIZED_ONLY_SHARE * memory
         logger.info("--cpu-weights auto: %s (their copies would take %.2f GiB, this process may have %.1f GiB)",
                     "the quantized layers hold their blocks alone" if only else "the quantized layers keep copies too",
-                    copies / 2**30, total_memory_bytes() / 2**30)
+                    copies / 2**30, memory / 2**30)
         return only
 
     def _keep_quantized(self, weights: dict, half_copies: bool, only: bool = False) -> list[str]:
