@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -73,9 +73,9 @@ def save_blocks(path: str, weights: dict[str, QuantizedWeight]) -> None:
               metadata={"kinds": json.dumps({name: w.kind for name, w in weights.items()})})
 
 
-def quantized_shapes(model_dir: str) -> dict[str, tuple[str, int, int]]:
-    """What a GGUF conversion kept, without reading it: Hugging Face name -> (kind, rows, bytes a
-    row), or {}."""
+def _from_blocks_file(model_dir: str, read: Callable) -> dict:
+    """read(file, name, kind) for each tensor of a GGUF conversion's blocks file, by Hugging Face
+    name, or {} where it has none."""
     from safetensors import safe_open
 
     path = os.path.join(model_dir, BLOCKS_FILE)
@@ -83,16 +83,15 @@ def quantized_shapes(model_dir: str) -> dict[str, tuple[str, int, int]]:
         return {}
     with safe_open(path, framework="pt") as f:
         kinds = json.loads(f.metadata()["kinds"])
-        return {name: (kinds[name], *f.get_slice(name).get_shape()) for name in f.keys()}
+        return {name: read(f, name, kinds[name]) for name in f.keys()}
+
+
+def quantized_shapes(model_dir: str) -> dict[str, tuple[str, int, int]]:
+    """What a GGUF conversion kept, without reading it: Hugging Face name -> (kind, rows, bytes a
+    row), or {}."""
+    return _from_blocks_file(model_dir, lambda f, name, kind: (kind, *f.get_slice(name).get_shape()))
 
 
 def read_quantized(model_dir: str) -> dict[str, QuantizedWeight]:
     """The blocks a GGUF conversion kept (Hugging Face name -> QuantizedWeight), or {}."""
-    from safetensors import safe_open
-
-    path = os.path.join(model_dir, BLOCKS_FILE)
-    if not os.path.isfile(path):
-        return {}
-    with safe_open(path, framework="pt") as f:
-        kinds = json.loads(f.metadata()["kinds"])
-        return {name: QuantizedWeight(kinds[name], f.get_tensor(name)) for name in f.keys()}
+    return _from_blocks_file(model_dir, lambda f, name, kind: QuantizedWeight(kind, f.get_tensor(name)))
