@@ -156,6 +156,18 @@ static inline void panel_f32(const float *p, int s, __m256 *lo, __m256 *hi) {
         PANEL_STORE(0) PANEL_STORE(1) PANEL_STORE(2) PANEL_STORE(3) PANEL_STORE(4) PANEL_STORE(5) \
     }
 
+/* Rows m .. m1 of x against the panel at wp, into y's columns n .. n + cols: tiles of PANEL_MR,
+ * then what is left (x, y, K, N in scope too). */
+#define PANEL_ROWS(NAME)                                                                          \
+    for (; m + PANEL_MR <= m1; m += PANEL_MR) NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 6); \
+    switch (m1 - m) {                                                                             \
+    case 5: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 5); break;                      \
+    case 4: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 4); break;                      \
+    case 3: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 3); break;                      \
+    case 2: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 2); break;                      \
+    case 1: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 1); break;                      \
+    }
+
 /* Panels across the OpenMP threads (the same runtime torch uses), for rows of x in blocks of
  * 96 (a block's rows stay in the cache while every panel passes them). */
 #define DEFINE_PACKED_GEMM(NAME, T, LOAD, KSTEP)                                                  \
@@ -169,14 +181,7 @@ static inline void panel_f32(const float *p, int s, __m256 *lo, __m256 *hi) {
                 const long n = p * PANEL, cols = N - n < PANEL ? N - n : PANEL;                   \
                 const T *wp = w + n * K;                                                          \
                 long m = m0;                                                                      \
-                for (; m + PANEL_MR <= m1; m += PANEL_MR) NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 6); \
-                switch (m1 - m) {                                                                 \
-                case 5: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 5); break;          \
-                case 4: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 4); break;          \
-                case 3: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 3); break;          \
-                case 2: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 2); break;          \
-                case 1: NAME##_tile(x + m * K, wp, y + m * N + n, K, N, cols, 1); break;          \
-                }                                                                                 \
+                PANEL_ROWS(NAME)                                                                  \
             }                                                                                     \
         }                                                                                         \
     }
@@ -957,18 +962,11 @@ static int quant_panels_f32(DequantizeF32 dequantize, long row_bytes, const floa
                                      wp + per * K);
             }
             long m = 0;
-#ifdef __AVX512F__
             const long m1 = M;
+#ifdef __AVX512F__
             if (cols > PANEL) { PANEL512_ROWS(gemm_packed_f32, 2) } else { PANEL512_ROWS(gemm_packed_f32, 1) }
 #else
-            for (; m + PANEL_MR <= M; m += PANEL_MR) gemm_packed_f32_tile(x + m * K, wp, y + m * N + n, K, N, cols, 6);
-            switch (M - m) {
-            case 5: gemm_packed_f32_tile(x + m * K, wp, y + m * N + n, K, N, cols, 5); break;
-            case 4: gemm_packed_f32_tile(x + m * K, wp, y + m * N + n, K, N, cols, 4); break;
-            case 3: gemm_packed_f32_tile(x + m * K, wp, y + m * N + n, K, N, cols, 3); break;
-            case 2: gemm_packed_f32_tile(x + m * K, wp, y + m * N + n, K, N, cols, 2); break;
-            case 1: gemm_packed_f32_tile(x + m * K, wp, y + m * N + n, K, N, cols, 1); break;
-            }
+            PANEL_ROWS(gemm_packed_f32)
 #endif
         }
         free(wp);
