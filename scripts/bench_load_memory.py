@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, HERE)
 
 CHILD = """
@@ -35,29 +36,13 @@ print(f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} {rss / 
 
 def gguf_layout(src: str, dst: str) -> str:
     """`src` (a bfloat16 model) as a GGUF conversion with random Q4_1 blocks, written once."""
-    import shutil
+    import quantized_checkpoints as qc
 
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from streamserve.models.quantized import BLOCKS_FILE, QuantizedWeight, save_blocks
+    from streamserve.models.quantized import BLOCKS_FILE
 
     if os.path.isfile(os.path.join(dst, BLOCKS_FILE)):
         return dst
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    weights = {}
-    for name in sorted(n for n in os.listdir(src) if n.endswith(".safetensors")):
-        weights.update(load_file(os.path.join(src, name)))
-        os.unlink(os.path.join(dst, name))
-    gen = torch.Generator().manual_seed(0)
-    blocks = {name: QuantizedWeight.random("q4_1", *w.shape, gen) for name, w in weights.items()
-              if w.dim() == 2 and "embed" not in name}
-    weights.update({name: q.dequantize().to(torch.bfloat16) for name, q in blocks.items()})
-    if os.path.exists(os.path.join(dst, "model.safetensors.index.json")):
-        os.unlink(os.path.join(dst, "model.safetensors.index.json"))
-    save_file(weights, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    save_blocks(os.path.join(dst, BLOCKS_FILE), blocks)
-    return dst
+    return qc.write_gguf_layout(src, dst)
 
 
 def main() -> None:

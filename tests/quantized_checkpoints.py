@@ -87,6 +87,23 @@ def reference_dir(src: str, dst: str, weights: dict[str, torch.Tensor]) -> str:
     return dst
 
 
+def write_gguf_layout(src: str, dst: str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """`src` laid out as a GGUF conversion is (the default model's layout, models/quantized.py):
+    random Q4_1 blocks for every linear weight but the embedding, beside their values
+    dequantized to `dtype`."""
+    from streamserve.models.quantized import BLOCKS_FILE, QuantizedWeight, save_blocks
+
+    weights = linear_weights(src)
+    gen = torch.Generator().manual_seed(0)
+    blocks = {name: QuantizedWeight.random("q4_1", *w.shape, gen) for name, w in weights.items()
+              if w.dim() == 2 and "embed" not in name}
+    weights.update({name: q.dequantize().to(dtype) for name, q in blocks.items()})
+    _copy_files(src, dst)
+    save_file(weights, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    save_blocks(os.path.join(dst, BLOCKS_FILE), blocks)
+    return dst
+
+
 def write_awq(src: str, dst: str, group: int = 32, zero_point: bool = True) -> dict[str, torch.Tensor]:
     """AutoAWQ's GEMM layout; returns the dequantized weights (W = (q - zero) * scale)."""
     from streamserve.models.quantization import AWQ_ORDER

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import quantized_checkpoints
 from parity import (assert_same_greedy, check_parity, check_prompt_logprobs, hf_prompt_logprobs, parity_prompts,
                     prompt_token_logprobs, tokens_and_logprobs)
 from streamserve import LLM, SamplingParams
@@ -853,26 +854,6 @@ def test_native_half_gemms_serve_the_large_steps(half_llama_dir, build, monkeypa
     assert_same_greedy(outputs, [tokens_and_logprobs(want) for want in expected])
 
 
-def gguf_converted(source, dtype: torch.dtype, tmp_path) -> str:
-    """A copy of the model at `source` laid out as a GGUF conversion is (the default model's
-    layout): random Q4_1 blocks for every linear weight, beside their dequantized values in
-    `dtype`."""
-    import shutil
-
-    from streamserve.models.quantized import save_blocks
-
-    path = tmp_path / "converted"
-    shutil.copytree(source, path)
-    weights = load_file(str(path / "model.safetensors"))
-    gen = torch.Generator().manual_seed(0)
-    blocks = {name: QuantizedWeight.random("q4_1", *w.shape, gen) for name, w in weights.items()
-              if w.dim() == 2 and "embed" not in name}
-    weights.update({name: q.dequantize().to(dtype) for name, q in blocks.items()})
-    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
-    save_blocks(str(path / "gguf-blocks.safetensors"), blocks)
-    return str(path)
-
-
 @needs_kernel
 @pytest.mark.parametrize("half_llama_dir", [torch.bfloat16], indirect=True, ids=["bf16"])
 @pytest.mark.parametrize("eager", [False, True], ids=["c-step", "op-by-op"])
@@ -885,7 +866,7 @@ def test_quantized_layers_hold_their_blocks_alone(half_llama_dir, eager, tmp_pat
     from streamserve.models.layers import Linear
 
     source, dtype = half_llama_dir
-    path = gguf_converted(source, dtype, tmp_path)
+    path = quantized_checkpoints.write_gguf_layout(source, str(tmp_path / "converted"), dtype)
     prompts = [list(range(5, 40)), [5, 6, 7], [9] * 12]  # prefills of 50 tokens (strips), then decodes of 3
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: False)  # this machine's kind
@@ -955,7 +936,8 @@ def test_gguf_blocks_load_where_only_the_half_copies_are_kept(half_llama_dir, tm
     from streamserve.models.layers import Linear
 
     source, dtype = half_llama_dir
-    path, gen = gguf_converted(source, dtype, tmp_path), torch.Generator().manual_seed(0)
+    path = quantized_checkpoints.write_gguf_layout(source, str(tmp_path / "converted"), dtype)
+    gen = torch.Generator().manual_seed(0)
     name = str(dtype).split(".")[-1]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     monkeypatch.setattr(model_runner, "native_half_gemms", lambda dtype: False)  # this machine's kind
