@@ -4,7 +4,10 @@ At start-up the model's forward pass for a batch of B decode tokens is captured 
 per padded size B in capture_sizes(); a decode step of n <= B tokens then copies its
 inputs into the static buffers, marks rows n..B as padding (no slot to write, a
 sequence length of 0 so attention reads nothing and writes zeros) and replays the
-graph: one launch instead of a few hundred. Mixed or larger batches run eagerly.
+graph: one launch instead of a few hundred. The inputs come as host arrays and reach
+the buffers in two copies through the pinned staging buffer: the token IDs, positions,
+slots and lengths packed into one array, and the block tables. Mixed or larger batches
+run eagerly.
 
 On the CPU there is nothing to capture: `replay` runs the same forward on the same
 static buffers, which is how the padding logic is tested without a GPU.
@@ -16,8 +19,11 @@ import logging
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 from tqdm import tqdm
+
+from streamserve.worker.staging import HostStaging
 
 from streamserve.worker.triton_attention import TritonAttentionMetadata
 
@@ -38,31 +44,37 @@ Forward = Callable[[torch.Tensor, torch.Tensor, TritonAttentionMetadata], torch.
 
 class DecodeGraphs:
     def __init__(self, forward: Forward, sizes: list[int], max_blocks_per_seq: int,
-                 num_splits: Callable[[int], int], device: torch.device) -> None:
+                 num_splits: Callable[[int], int], device: torch.device, staging: HostStaging) -> None:
         self.forward = forward
         self.sizes = sizes
         self.num_splits = num_splits  # batch size -> KV splits per sequence, fixed per graph
         self.device = device
+        self.staging = staging
         n = sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        # A step's token IDs, positions, slots (int64) and sequence lengths (int32) for a graph
+        # of b rows lie packed in the first _packed_len(b) elements, so one copy brings them.
+        self.packed = torch.zeros(_packed_len(n), dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+
+    def buffers(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, positions, slot_mapping, seq_lens) of the graph of b rows: views of packed."""
+        p = self.packed
+        return p[:b], p[b:2 * b], p[2 * b:3 * b], p[3 * b:_packed_len(b)].view(torch.int32)[:b]
 
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
 
     def _run(self, b: int) -> torch.Tensor:
+        input_ids, positions, slot_mapping, seq_lens = self.buffers(b)
         meta = TritonAttentionMetadata(
-            slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
-            seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], num_decodes=b,
+            slot_mapping=slot_mapping, query_start_loc=self.query_start_loc[:b + 1],
+            seq_lens=seq_lens, block_tables=self.block_tables[:b], num_decodes=b,
             max_query_len=1, num_splits=self.num_splits(b))
-        return self.forward(self.input_ids[:b], self.positions[:b], meta)
+        return self.forward(input_ids, positions, meta)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -88,19 +100,23 @@ class DecodeGraphs:
         return next(b for b in self.sizes if b >= n)
 
     @torch.inference_mode()
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-               seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-        """Hidden states [n, H] for n <= max_batch decode tokens (the inputs' first dim)."""
-        n, b = input_ids.shape[0], self.padded_size(input_ids.shape[0])
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
-        self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables, non_blocking=True)
-        if n < b:  # padding rows: write no slot, read no key
-            self.slot_mapping[n:b].fill_(-1)
-            self.seq_lens[n:b].fill_(0)
+    def replay(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+               seq_lens: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
+        """Hidden states [n, H] for n <= max_batch decode tokens (the arrays' first dim, on the
+        host): two copies in (the packed rows, the block tables), then one launch."""
+        n, b = len(input_ids), self.padded_size(len(input_ids))
+        packed = np.zeros(_packed_len(b), dtype=np.int64)
+        packed[:n], packed[b:b + n], packed[2 * b:2 * b + n] = input_ids, positions, slot_mapping
+        packed[2 * b + n:3 * b] = -1  # padding rows: write no slot, read no key (length 0)
+        packed[3 * b:].view(np.int32)[:n] = seq_lens
+        self.staging.copy_into(self.packed[:len(packed)], packed)
+        self.staging.copy_into(self.block_tables[:n, :block_tables.shape[1]], block_tables)
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:n]
         return self._run(b)[:n]
+
+
+def _packed_len(b: int) -> int:
+    """int64 elements of b rows' packed inputs: three int64 arrays and one int32 array."""
+    return 3 * b + -(-b // 2)

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -142,6 +142,16 @@ class CStepInputs:
     seq_lens: torch.Tensor
 
 
+class GraphDecodeInputs(NamedTuple):
+    """A pure-decode step for DecodeGraphs.replay, as host arrays: per token, its slot (int64),
+    its sequence's length after the step and block table row ([B, blocks of the longest]),
+    both int32."""
+
+    slot_mapping: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+
+
 class ModelRunner:
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -259,6 +269,8 @@ class ModelRunner:
             from streamserve_kernels.attention import DecodeWorkspace
 
             self.model.use_kernels()
+            if self.device.type == "cuda":
+                self._choose_gemv()
             # rows for every decode batch, a captured graph's padding rows included
             max_num_seqs = config.scheduler.max_num_seqs
             rows = max(max_num_seqs, capture_sizes(max_num_seqs)[-1])
@@ -290,6 +302,26 @@ class ModelRunner:
         self.num_lora_requests = 0  # of those, with a LoRA adapter (their steps group their rows by it)
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
                                       -(-config.model.max_model_len // self.block_size))
+
+    def _choose_gemv(self) -> None:
+        """Batch-1 products through the Triton GEMV for the half-precision weight shapes where,
+        timed here once per shape, it beats torch's (streamserve_kernels.gemv.choose)."""
+        from streamserve_kernels import gemv
+
+        chosen: dict[tuple, tuple] = {}
+        for module in self.model.modules():
+            w = getattr(module, "weight", None)
+            if not isinstance(module, Linear) or w is None or w.dim() != 2 or w.dtype not in (
+                    torch.bfloat16, torch.float16) or w.device.type != "cuda" or not w.is_contiguous():
+                continue
+            key = (tuple(w.shape), w.dtype, module.bias is not None)
+            if key not in chosen:
+                chosen[key] = gemv.choose(w, module.bias)
+            module.gemv = chosen[key][0]
+        for (shape, _, _), (fn, times) in chosen.items():
+            best = min(times, key=times.get)
+            logger.info("one-row product [1, %d] x [%d, %d]^T: %s (%.1f us; torch's %.1f us)", shape[1], *shape,
+                        "torch's" if fn is None else f"the Triton GEMV {best}", times[best], times["torch"])
 
     def _quantized_blocks(self, model_dir: str) -> dict:
         """The quantized blocks of a model converted from GGUF, or of a quantized checkpoint
@@ -478,9 +510,8 @@ class ModelRunner:
             elif lora is not None:  # op by op, the adapters added to their rows (never a graph)
                 hidden = self.model(input_ids, positions, self._attention(meta, self.kv_caches),
                                     self._reads_copies(len(input_ids)), lora)
-            elif self._replays(meta, len(input_ids)):
-                hidden = self.graphs.replay(input_ids, positions, meta.slot_mapping, meta.seq_lens,
-                                            meta.block_tables)
+            elif isinstance(meta, GraphDecodeInputs):  # a pure-decode step: a captured graph
+                hidden = self.graphs.replay(input_ids, positions, *meta)
             else:
                 hidden = self.model(input_ids, positions, self._attention(meta, self.kv_caches),
                                     self._reads_copies(len(input_ids)))
@@ -488,8 +519,8 @@ class ModelRunner:
             if not samplers:
                 return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
             # the head by the rows sampled: a long prefill chunk still samples one row
-            rows = hidden[logits_indices]
-            logits = self.model.compute_logits(rows, self._reads_copies(len(logits_indices)))
+            rows = hidden if logits_indices is None else hidden[logits_indices]
+            logits = self.model.compute_logits(rows, self._reads_copies(len(rows)))
             embeddings = self._embeddings(rows, logits, samplers) if self.num_embedding_requests else None
             masks = so.allowed_token_masks
             tokens, logprobs = self.sampler(logits, samplers, _row_masks(samplers, masks) if masks else None)
@@ -636,6 +667,13 @@ class ModelRunner:
             prompt_rows += [(i, s.token_ids[p + 1], s, p) for i, (s, p) in enumerate(zip(decodes, computed))
                             if s.params.prompt_logprobs is not None and p + 1 < s.num_prompt_tokens]
 
+        if not prefills and lora is None and self._replays(nd):  # host arrays for the graph's buffers
+            meta = GraphDecodeInputs(slots[0], seq_lens[0].astype(np.int32),
+                                     table[rows, :-(-max_decode_len // bs)].astype(np.int32))
+            every_row = len(logits_indices) == nd
+            return (ids[0], pos, meta, None if every_row else self.to_device(np.array(logits_indices, dtype=np.int64)),
+                    samplers, prompt_rows, None)
+
         chunks: list[tuple[int, int]] = []  # (rows, context before)
         start = nd
         spec = so.scheduled_spec_decode_tokens
@@ -673,6 +711,11 @@ class ModelRunner:
                                             max_decode_len, chunks)
         return (self.to_device(_cat(ids)), self.to_device(positions), meta,
                 self.to_device(np.array(logits_indices, dtype=np.int64)), samplers, prompt_rows, lora)
+
+    def _replays(self, num_decodes: int) -> bool:
+        """Whether a step of num_decodes decodes alone is one a captured graph (or, on the CPU,
+        its buffers) serves; the C step comes first where there is one."""
+        return self.graphs is not None and self.c_step is None and num_decodes <= self.graphs.max_batch
 
     # -- attention metadata, per backend -------------------------------------------
 
@@ -732,12 +775,7 @@ class ModelRunner:
 
         return DecodeGraphs(forward, capture_sizes(self.config.scheduler.max_num_seqs), max_blocks_per_seq,
                             lambda b: choose_num_splits(max_len, b, self.num_kv_heads, MAX_DECODE_SPLITS),
-                            self.device)
-
-    def _replays(self, meta, num_tokens: int) -> bool:
-        """Whether this step is a pure-decode batch a captured graph (or its buffers) serves."""
-        return (self.graphs is not None and meta.num_decodes == num_tokens
-                and num_tokens <= self.graphs.max_batch)
+                            self.device, self.to_device)
 
     def _decode_masks(self, seq_lens: np.ndarray, max_blocks: int
                       ) -> tuple[Optional[torch.Tensor], dict[int, Optional[torch.Tensor]]]:

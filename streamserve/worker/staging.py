@@ -38,17 +38,34 @@ class HostStaging:
     def __call__(self, array: np.ndarray) -> torch.Tensor:
         if not self.pinned:
             return torch.from_numpy(array).to(self.device)
-        array = np.ascontiguousarray(array)
+        staged = self._stage(np.ascontiguousarray(array))
+        if staged is None:  # larger than the whole buffer: a plain (synchronous) copy
+            return torch.from_numpy(array).to(self.device)
+        return self._copied(staged.to(self.device, non_blocking=True))
+
+    def copy_into(self, dst: torch.Tensor, array: np.ndarray) -> None:
+        """dst.copy_(array) the same way, with no device tensor in between (a CUDA graph's
+        static buffer, say)."""
+        staged = self._stage(np.ascontiguousarray(array)) if self.pinned else None
+        if staged is None:
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(array)))
+        else:
+            self._copied(dst.copy_(staged, non_blocking=True))
+
+    def _stage(self, array: np.ndarray):
+        """The array written into the pinned buffer, as a tensor over it (None: it does not fit)."""
         n = array.nbytes
         if self.offset + n > self.capacity:
-            if n > self.capacity:  # larger than the whole buffer: a plain (synchronous) copy
-                return torch.from_numpy(array).to(self.device)
+            if n > self.capacity:
+                return None
             self.copied.synchronize()  # every copy so far has read the buffer: start again at 0
             self.offset = 0
         start = self.offset
         self.offset = -(-(start + n) // _ALIGN) * _ALIGN
         view = self.host_np[start:start + n].view(array.dtype).reshape(array.shape)
         view[...] = array
-        out = torch.from_numpy(view).to(self.device, non_blocking=True)
+        return torch.from_numpy(view)
+
+    def _copied(self, out: torch.Tensor) -> torch.Tensor:
         self.copied.record(torch.cuda.current_stream(self.device))  # the stream the copy went on
         return out
