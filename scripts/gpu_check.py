@@ -117,7 +117,7 @@ def copy_bandwidth(report: Report, device: torch.device, smoke: bool) -> float:
 def kernel_checks(report: Report, device: torch.device, smoke: bool) -> None:
     from kernel_batches import TOLERANCE, make_paged_batch, randn, rel_err
     from streamserve.models.layers import RotaryEmbedding
-    from streamserve_kernels import activation, attention, cache, norm, rotary
+    from streamserve_kernels import activation, attention, cache, gemv, norm, rotary
 
     dev = device.type
     gen = torch.Generator().manual_seed(0)
@@ -184,6 +184,14 @@ def kernel_checks(report: Report, device: torch.device, smoke: bool) -> None:
         check("rotary_embedding (llama3-scaled cos/sin)", max(rel_err(q, ref_q), rel_err(k, ref_k)))
         gu = randn(gen, 33, 2 * 8192, dtype=dtype, device=dev)
         check("silu_and_mul", rel_err(activation.silu_and_mul(gu), activation.silu_and_mul_ref(gu)))
+        # the batch-1 product at each launch setting the runner may choose, a shape with tails too
+        for n, k in ((3072, 2048), (1000, 300)):
+            x, w = randn(gen, 1, k, dtype=dtype, device=dev), randn(gen, n, k, dtype=dtype, device=dev)
+            bias = randn(gen, n, dtype=dtype, device=dev)
+            ref = gemv.gemv_ref(x, w, bias)
+            errs = [rel_err(gemv.gemv(x, w, bias, out=torch.full_like(ref, float("nan")), block_n=bn, block_k=bk,
+                                      num_warps=warps), ref) for bn, bk, warps in gemv.CONFIGS]
+            check(f"gemv [1, {k}] x [{n}, {k}]^T + bias, {len(errs)} settings", max(errs))
     staging_check(report, device)
 
 

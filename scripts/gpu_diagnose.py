@@ -103,6 +103,9 @@ def step_phases(device: torch.device, work: str, copy_bw: float) -> None:
               max_model_len=2048, max_num_seqs=8, gpu_memory_utilization=0.45, kv_cache_memory="256MiB")
     core = llm.engine_core
     runner, sched = core.model_runner, core.scheduler
+    chosen = {(tuple(m.weight.shape), str(getattr(m.gemv, "keywords", None))) for m in runner.model.modules()
+              if hasattr(m, "gemv")}
+    say("  one-row products chosen: " + "; ".join(f"{s}: {g}" for s, g in sorted(chosen)))
     start_decoding(llm, make_workload(1, core.vocab_size, 1, 512, 512, 1000, 1000))
     for _ in range(5):
         core.step()
@@ -165,13 +168,19 @@ def step_phases(device: torch.device, work: str, copy_bw: float) -> None:
     del llm
     gc_.free_memory()
 
-    say("## one-row matrix products (torch.matmul, bfloat16)")
+    say("## one-row matrix products (bfloat16): torch's, and the Triton GEMV's launch settings")
+    from streamserve_kernels import gemv
+
+    sweep = [(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (128, 256, 512, 1024) for w in (2, 4, 8)
+             if bn * bk <= 16384]
     for k, n in ((2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048), (2048, 128256)):
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-        x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
-        s = gc_.timed(lambda: torch.nn.functional.linear(x, w), device, iters=200)
-        say(f"  [1, {k}] x [{n}, {k}]^T: {s * 1e6:.1f} us, {w.numel() * 2 / s / 1e9:.0f} GB/s "
-            f"= {w.numel() * 2 / s / copy_bw:.0%} of copy bandwidth")
+        _, times = gemv.choose(w, iters=100, configs=sweep)
+        ranked = sorted(times, key=times.get)
+        say(f"  [1, {k}] x [{n}, {k}]^T ({w.numel() * 2 / 2 ** 20:.0f} MiB): torch {times['torch']:.1f} us "
+            f"({w.numel() * 2 / times['torch'] / 1e3 / copy_bw * 1e9:.0%} of copy bandwidth); best: "
+            + ", ".join(f"{c} {times[c]:.1f} us ({w.numel() * 2 / times[c] / 1e3 / copy_bw * 1e9:.0%})"
+                        for c in ranked[:5]))
 
 
 def main() -> None:

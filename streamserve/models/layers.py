@@ -63,7 +63,8 @@ class Linear(nn.Module):
     half-size copy (`low_precision_weight`) for the larger steps. Without the C kernels, a
     half-size row-major copy serves torch for steps of a few tokens, which are bound by reading
     the weights. A layer loaded from a GGUF file may also keep its blocks (`quantized`),
-    smaller still, read by the quantized GEMV for up to `quant_max_rows` rows.
+    smaller still, read by the quantized GEMV for up to `quant_max_rows` rows. On the GPU, a
+    one-row input may go to `gemv` (the runner sets it where the Triton kernel beats torch's).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -78,6 +79,7 @@ class Linear(nn.Module):
         self.quantized = None  # models.cpu_kernels.PackedQuant
         self.quant_gemv: Optional[Callable] = None
         self.quant_max_rows = 0
+        self.gemv: Optional[Callable] = None  # (x, weight, bias) for one-row inputs (GPU: streamserve_kernels.gemv)
         self.lora_key = ""  # its name in the model: a LoRA adapter's weights for it are kept under it
 
     def keep_copies(self, dtype: torch.dtype, gemm=None, packed_max_rows: int = 0, row_major: bool = True,
@@ -144,6 +146,8 @@ class Linear(nn.Module):
                 return out if self.bias is None else out + self.bias
         if self.weight.numel() == 0:
             raise RuntimeError("this layer keeps only copies of its weight: call it with low_precision")
+        if self.gemv is not None and x.shape[0] == 1 and x.is_contiguous():
+            return self.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
