@@ -45,6 +45,7 @@ import time
 import traceback
 from typing import Optional
 
+import numpy as np
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -510,6 +511,13 @@ def decode_mode(report: Report, device: torch.device, model_dir: str, shape: dic
             # The GPU's share of the step: the batch-1 forward's graph alone (no logits, no
             # sampling, no Python), against the floor of what it reads (all but the head);
             # the rest of the step is the head, the engine's CPU time and the sampler.
+            # one row's inputs in the graph's buffers first (the last step left a larger graph's
+            # there): no slot to write, the keys of a context as long as the timed steps' mean
+            # (replaying it over another size's packing read out of bounds, 2026-12-04)
+            seq_len = context + steps // 2
+            blocks = np.arange(-(-seq_len // runner.block_size), dtype=np.int32)[None]
+            runner.graphs.replay(np.array([3]), np.array([seq_len - 1]), np.array([-1]),
+                                 np.array([seq_len], dtype=np.int32), blocks)
             replay = timed(runner.graphs.graphs[1].replay, device, iters=50)
             forward_floor = (weight_bytes - head_bytes + kv_bytes) / copy_bw
             report.add("decode", "batch 1: graph replay alone (forward only, no head)",

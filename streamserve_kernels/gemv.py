@@ -67,11 +67,14 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
 
-def choose(w: torch.Tensor, bias: Optional[torch.Tensor] = None, iters: int = 50,
+def choose(w: torch.Tensor, bias: Optional[torch.Tensor] = None, iters: int = 20,
            configs=CONFIGS) -> tuple[Optional[Callable], dict]:
-    """The fastest of torch's one-row product and `gemv` at each of `configs` on w's shape,
-    timed with CUDA events: (a callable (x, w, bias) -> out for gemv's winner, or None where
-    torch's wins, {setting: microseconds})."""
+    """The fastest of torch's one-row product and `gemv` at each of `configs` on w's shape:
+    (a callable (x, w, bias) -> out for gemv's winner, or None where torch's wins,
+    {setting: microseconds a product}). Each is timed as `iters` products captured in one CUDA
+    graph, as a decode step replays them: a launch from Python costs more than either kernel
+    takes on a small matrix (on an H200, 2026-12-04: 18 us a launched product against 6 us
+    one in a graph)."""
     x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
     candidates = {"torch": lambda: torch.nn.functional.linear(x, w, bias)}
     for block_n, block_k, warps in configs:
@@ -79,15 +82,21 @@ def choose(w: torch.Tensor, bias: Optional[torch.Tensor] = None, iters: int = 50
             gemv, x, w, bias, block_n=block_n, block_k=block_k, num_warps=warps)
     times = {}
     for name, fn in candidates.items():
-        for _ in range(3):
-            fn()  # compiles
+        fn()  # compiles, outside the capture
+        torch.cuda.synchronize(w.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(iters):
+                fn()
+        graph.replay()  # warm
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(iters):
-            fn()
+        for _ in range(3):
+            graph.replay()
         end.record()
         end.synchronize()
-        times[name] = start.elapsed_time(end) * 1e3 / iters
+        times[name] = start.elapsed_time(end) * 1e3 / (3 * iters)
+        del graph
     best = min(times, key=times.get)
     if best == "torch":
         return None, times
