@@ -146,7 +146,7 @@ class Linear(nn.Module):
                 return out if self.bias is None else out + self.bias
         if self.weight.numel() == 0:
             raise RuntimeError("this layer keeps only copies of its weight: call it with low_precision")
-        if self.gemv is not None and x.shape[0] == 1 and x.is_contiguous():
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous():
             return self.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

@@ -84,6 +84,7 @@ class DecodeGraphs:
         start, (free_before, _) = time.perf_counter(), torch.cuda.mem_get_info(self.device)
         pool = torch.cuda.graph_pool_handle()
         for b in tqdm(list(reversed(self.sizes)), desc="Capturing CUDA graphs", unit="graph"):
+            self.buffers(b)[2].fill_(-1)  # (its warm-up writes no slot)
             self._run(b)  # warm up: compiles the Triton kernels for this shape before capture
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
