@@ -101,8 +101,4 @@ def choose(w: torch.Tensor, bias: Optional[torch.Tensor] = None, iters: int = 20
     if best == "torch":
         return None, times
     block_n, block_k, warps = best
-    return functools.partial(_call, block_n=block_n, block_k=block_k, num_warps=warps), times
-
-
-def _call(x, w, bias, block_n, block_k, num_warps):
-    return gemv(x, w, bias, block_n=block_n, block_k=block_k, num_warps=num_warps)
+    return functools.partial(gemv, block_n=block_n, block_k=block_k, num_warps=warps), times

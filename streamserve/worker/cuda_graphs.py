@@ -24,7 +24,6 @@ import torch
 from tqdm import tqdm
 
 from streamserve.worker.staging import HostStaging
-
 from streamserve.worker.triton_attention import TritonAttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -61,8 +60,7 @@ class DecodeGraphs:
 
     def buffers(self, b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids, positions, slot_mapping, seq_lens) of the graph of b rows: views of packed."""
-        p = self.packed
-        return p[:b], p[b:2 * b], p[2 * b:3 * b], p[3 * b:_packed_len(b)].view(torch.int32)[:b]
+        return _unpacked(self.packed, b, torch.int32)
 
     @property
     def max_batch(self) -> int:
@@ -107,9 +105,9 @@ class DecodeGraphs:
         host): two copies in (the packed rows, the block tables), then one launch."""
         n, b = len(input_ids), self.padded_size(len(input_ids))
         packed = np.zeros(_packed_len(b), dtype=np.int64)
-        packed[:n], packed[b:b + n], packed[2 * b:2 * b + n] = input_ids, positions, slot_mapping
-        packed[2 * b + n:3 * b] = -1  # padding rows: write no slot, read no key (length 0)
-        packed[3 * b:].view(np.int32)[:n] = seq_lens
+        ids, pos, slots, lens = _unpacked(packed, b, np.int32)
+        ids[:n], pos[:n], slots[:n], lens[:n] = input_ids, positions, slot_mapping, seq_lens
+        slots[n:] = -1  # padding rows: write no slot, read no key (length 0)
         self.staging.copy_into(self.packed[:len(packed)], packed)
         self.staging.copy_into(self.block_tables[:n, :block_tables.shape[1]], block_tables)
         if b in self.graphs:
@@ -121,3 +119,9 @@ class DecodeGraphs:
 def _packed_len(b: int) -> int:
     """int64 elements of b rows' packed inputs: three int64 arrays and one int32 array."""
     return 3 * b + -(-b // 2)
+
+
+def _unpacked(packed, b: int, int32):
+    """The packed inputs of b rows (an int64 numpy array or tensor) as views: token IDs,
+    positions, slots, then the lengths as `int32` (np.int32 or torch.int32)."""
+    return packed[:b], packed[b:2 * b], packed[2 * b:3 * b], packed[3 * b:_packed_len(b)].view(int32)[:b]
