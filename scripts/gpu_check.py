@@ -267,7 +267,7 @@ def parity(report: Report, device: torch.device, work: str, smoke: bool) -> None
         finally:
             free_memory()  # greedy_run's engine is gone with its frame
         same = sum(o == e for o, e in zip(outs, expected))
-        mode = name if eager else f"{name} ({replays} replays" + (
+        mode = name if eager else f"{name} ({replays}" + (
             f"; {kept} of {checked} guesses kept)" if speculative else ")")
         report.add("parity", f"tiny Llama float32, {mode}", f"{same}/{len(prompts)} prompts identical",
                    "all identical", same == len(prompts) and (not speculative or checked > 0))
@@ -307,7 +307,7 @@ def graphs_parity_row(report: Report, device: torch.device, label: str, model_di
     finally:
         free_memory()
     same = sum(o == e for o, e in zip(outs, expected))
-    report.add("parity", f"{label}, graphs ({replays} replays)", f"{same}/{len(PARITY_PROMPTS)} prompts identical",
+    report.add("parity", f"{label}, graphs ({replays})", f"{same}/{len(PARITY_PROMPTS)} prompts identical",
                "all identical", same == len(PARITY_PROMPTS))
 
 
@@ -371,10 +371,10 @@ SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_ma
 
 
 def greedy_run(model_dir: str, device: torch.device, eager: bool, prompts: list[list[int]],
-               new_tokens: int, speculative: Optional[dict] = None) -> tuple[list[list[int]], int, tuple[int, int]]:
-    """(each prompt's greedy tokens, how many decode steps replayed a graph, (guesses checked,
-    kept)) from a fresh engine with a fixed small cache (a share of the GPU would be millions of
-    the tiny model's blocks)."""
+               new_tokens: int, speculative: Optional[dict] = None) -> tuple[list[list[int]], str, tuple[int, int]]:
+    """(each prompt's greedy tokens, how many decode steps replayed a graph (and of those, how
+    many read tokens in flight: async scheduling), (guesses checked, kept)) from a fresh engine
+    with a fixed small cache (a share of the GPU would be millions of the tiny model's blocks)."""
     from streamserve import LLM, SamplingParams
 
     llm = LLM(model_dir, device=str(device), dtype="float32", enforce_eager=eager, speculative_config=speculative,
@@ -383,11 +383,11 @@ def greedy_run(model_dir: str, device: torch.device, eager: bool, prompts: list[
     replays = []
     if graphs is not None:
         original = graphs.replay
-        graphs.replay = lambda ids, *rest: replays.append(len(ids)) or original(ids, *rest)
+        graphs.replay = lambda ids, *rest: replays.append(rest[-1] is not None) or original(ids, *rest)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)
     scheduler = llm.engine_core.scheduler
-    return ([o.outputs[0].token_ids for o in outs], len(replays),
+    return ([o.outputs[0].token_ids for o in outs], f"{len(replays)} replays, {sum(replays)} reading tokens in flight",
             (scheduler.spec_num_draft_tokens, scheduler.spec_num_accepted_tokens))
 
 
@@ -495,6 +495,12 @@ def decode_mode(report: Report, device: torch.device, model_dir: str, shape: dic
         report.add("decode", f"batch {b} ({mode}), context {context}",
                    f"{made / seconds:.0f} tok/s ({seconds * 1e3:.2f} ms/step, {made:.1f} tokens a step)",
                    f"{b} tokens a step", abs(made - b) < 0.5)
+    if not eager and 1 in batches and llm.engine_core.runs_ahead and time.perf_counter() < deadline:
+        # the same engine at batch 1 with each step read back before the next is scheduled
+        seconds = with_scheduling(llm, False, lambda: decode_steps(llm, 1, context, steps)[0])
+        report.add("decode", "batch 1 (graphs), async scheduling off",
+                   f"{seconds * 1e3:.2f} ms/step: async scheduling's step takes {step_time[False, 1] / seconds:.0%} "
+                   "of it")
     if not eager and (False, 1) in step_time:
         model = runner.model
         weight_bytes = sum(m.weight.numel() * m.weight.element_size() for name, m in model.named_modules()
@@ -523,6 +529,22 @@ def decode_mode(report: Report, device: torch.device, model_dir: str, shape: dic
             report.add("decode", "batch 1: graph replay alone (forward only, no head)",
                        f"{replay * 1e3:.3f} ms of the {step_time[False, 1] * 1e3:.3f} ms step: "
                        f"{forward_floor / replay:.0%} of its bandwidth floor ({forward_floor * 1e3:.2f} ms)")
+
+
+def with_scheduling(llm, ahead: bool, run):
+    """run() with async scheduling on or off (`ahead`) in this engine, then as it was; the batch
+    in flight, if any, is read back at each switch (its outputs dropped)."""
+    core = llm.engine_core
+
+    def switch(on: bool) -> None:
+        core.read_back_in_flight()
+        core.runs_ahead = core.scheduler.runs_ahead = core.model_runner.runs_ahead = on
+    was = core.runs_ahead
+    switch(ahead)
+    try:
+        return run()
+    finally:
+        switch(was)
 
 
 # -- 3. the decode attention kernel alone ---------------------------------------------------

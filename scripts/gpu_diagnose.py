@@ -134,16 +134,17 @@ def step_phases(device: torch.device, work: str, copy_bw: float) -> None:
     wrap(runner, "_prepare_inputs", "prepare_inputs")
     wrap(runner.graphs, "replay", "graph replay (launch)")
     wrap(runner.model, "compute_logits", "head")
-    wrap(runner, "sampler", "sampler (its sync)")
+    wrap(runner.sampler, "sample", "sampler")
+    wrap(runner, "collect", "read back (its wait)")
     wrap(sched, "update_from_output", "update_from_output")
-    for sync in (False, True):
+    for ahead, sync in ((True, False), (False, False), (False, True)):
         synced[0] = sync
         times.clear()
         t = time.perf_counter()
-        for _ in range(steps):
-            core.step()
+        gc_.with_scheduling(llm, ahead, lambda: [core.step() for _ in range(steps)])
         total = (time.perf_counter() - t) / steps
-        say(f"  phases {'with a sync after each' if sync else 'CPU time, no added sync'}: step {total * 1e3:.3f} ms")
+        say(f"  phases, async scheduling {'on' if ahead else 'off'}, "
+            f"{'with a sync after each' if sync else 'CPU time, no added sync'}: step {total * 1e3:.3f} ms")
         for k, v in times.items():
             say(f"    {k:28s} {v / steps * 1e3:.3f} ms")
         say(f"    {'the rest (step() itself)':28s} {(total - sum(times.values()) / steps) * 1e3:.3f} ms")

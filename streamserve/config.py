@@ -314,6 +314,14 @@ class SchedulerConfig:
                 "step checks them all at once, keeping the tokens it would have sampled; "
                 "\"disable_by_batch_size\": b stops the guessing while more than b requests are unfinished"})
 
+    async_scheduling: str = field(default="auto", metadata={
+        "help": "on: the next step is scheduled and launched while the device still runs this one "
+                "(its decodes read the tokens this one samples on the device), so the CPU's share of a "
+                "step hides behind the GPU's; off: each step waits for its tokens first; auto: on for "
+                "CUDA, off on the CPU (whose steps are the CPU's own). A step with a request whose "
+                "sampling reads its tokens on the host (penalties, bad words, min_tokens, a seed, "
+                "logprobs, structured output) waits as off does; speculative decoding runs off"})
+
     # Filled in by __post_init__: speculative_config read.
     speculative: Optional["SpeculativeConfig"] = field(default=None, repr=False, metadata={"cli": False})
 
@@ -330,11 +338,23 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= 1")
         if self.speculative_config is not None:
             self.speculative = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"async_scheduling {self.async_scheduling!r} must be auto, on or off")
+        if self.async_scheduling == "on" and self.speculative is not None:
+            raise ValueError("async_scheduling on cannot serve speculative decoding (the guesses of a step "
+                             "come from the tokens of the one before): leave it auto or off")
 
     def resolve(self, device: str) -> None:
-        """Fill the device's default budget."""
+        """Fill the device's default budget, and async scheduling's auto."""
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self.DEFAULT_BATCHED_TOKENS[device.split(":")[0]]
+        if self.async_scheduling == "auto":
+            self.async_scheduling = "on" if device.startswith("cuda") and self.speculative is None else "off"
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether each step is launched before the last one's tokens are read (async_scheduling)."""
+        return self.async_scheduling == "on"
 
 
 @dataclass

@@ -178,6 +178,16 @@ class SamplingParams:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
 
+    @property
+    def reads_tokens_on_host(self) -> bool:
+        """Whether a step that samples for it must come back to the host before the next step is
+        scheduled (async scheduling): its sampling reads its tokens there (penalties, bad words,
+        min_tokens, a seed drawn by position), its structure's state follows each token, or the
+        step's logprobs or embedding are read there."""
+        return (self.has_penalties or bool(self.bad_words_token_ids) or self.min_tokens > 0
+                or self.seed is not None or self.logprobs is not None or self.prompt_logprobs is not None
+                or self.structured_outputs is not None or self.embed)
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

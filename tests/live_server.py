@@ -14,6 +14,7 @@ import time
 import urllib.request
 from typing import Callable, Iterator, NamedTuple
 
+import torch
 from aiohttp import web
 
 from streamserve.config import Config
@@ -63,13 +64,13 @@ class _ScriptedSampler:
     def __init__(self, sampler, script: list[int], eos: int) -> None:
         self.sampler, self.script, self.eos = sampler, script, eos
 
-    def __call__(self, logits, rows, allowed=None):
-        _, logprobs = self.sampler(logits, rows, allowed)
+    def sample(self, logits, rows, allowed=None):
+        drawn, logprobs = self.sampler.sample(logits, rows, allowed)
         tokens = []
         for row in rows:
             n = len(row.token_ids) - row.num_prompt_tokens
             tokens.append(self.script[n] if n < len(self.script) else self.eos)
-        return tokens, logprobs
+        return torch.tensor(tokens, dtype=drawn.dtype, device=drawn.device), logprobs
 
     def __getattr__(self, name):
         return getattr(self.sampler, name)

@@ -84,7 +84,7 @@ def test_every_field_is_a_keyword_of_one_part():
     assert {"model", "gguf_file", "tokenizer", "chat_template", "dtype", "quantization", "cpu_weights", "max_model_len", "seed", "block_size",
             "enable_prefix_caching", "kv_cache_memory", "gpu_memory_utilization",
             "num_gpu_blocks_override", "kv_cache_dtype", "max_num_seqs", "scheduling_policy",
-            "max_num_batched_tokens", "speculative_config", "device", "kernel_backend",
+            "max_num_batched_tokens", "speculative_config", "async_scheduling", "device", "kernel_backend",
             "enforce_eager", "load_format", "generation_config", "override_generation_config", "hf_overrides",
             "host", "port", "served_model_name", "api_key", "max_n", "max_choices", "max_request_bytes",
             "sse_keepalive_seconds", "allowed_origins", "shutdown_timeout", "responses_memory",

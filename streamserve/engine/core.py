@@ -1,10 +1,18 @@
-"""EngineCore: the busy loop's body. One step = schedule, run, update."""
+"""EngineCore: the busy loop's body. One step = schedule, run, update.
+
+Under async scheduling (config.scheduler.async_scheduling) a step schedules and launches the
+next batch first, then reads back the batch launched by the step before and updates from
+it: the device runs one batch while the CPU schedules, lays out and launches the next, and a
+decode reads the token its request sampled in the batch before on the device (the scheduler
+counts that token as in flight: Request.num_pending). A batch with a request whose sampling
+reads its tokens on the host is read back before the next is scheduled.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from streamserve.config import Config
 from streamserve.engine.request import EngineCoreOutput, EngineCoreRequest, Request, validate_prompt
@@ -12,7 +20,8 @@ from streamserve.engine.scheduler import Scheduler
 from streamserve.engine.structured_output import Vocabulary
 from streamserve.lora.registry import LoRARegistry
 from streamserve.sampling_params import ParamError
-from streamserve.worker.model_runner import ModelRunner
+from streamserve.engine.scheduler_output import SchedulerOutput
+from streamserve.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +33,13 @@ class StepFailed(RuntimeError):
     def __init__(self, request_ids: list[str]) -> None:
         super().__init__(f"a step of {len(request_ids)} requests failed")
         self.request_ids = request_ids
+
+
+class InFlight(NamedTuple):
+    """A batch launched and not yet read back (async scheduling)."""
+
+    scheduler_output: SchedulerOutput
+    launched: LaunchedStep
 
 
 class EngineCore:
@@ -47,6 +63,10 @@ class EngineCore:
             for adapter in self.loras.load_modules(config.lora.lora_modules or []):
                 logger.info("LoRA adapter %r: rank %d, %d layers, %.1f MB, from %s", adapter.name, adapter.rank,
                             len(adapter.weights), adapter.nbytes / 1e6, adapter.path)
+        self.runs_ahead = config.scheduler.runs_ahead
+        self.in_flight: Optional[InFlight] = None  # (async scheduling) the batch the device runs
+        if self.runs_ahead:
+            logger.info("async scheduling: each step is scheduled and launched while the one before runs")
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.validate(request)
@@ -95,9 +115,11 @@ class EngineCore:
             scheduler.finished_req_ids = set()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self.in_flight is not None
 
     def step(self) -> list[EngineCoreOutput]:
+        if self.runs_ahead:
+            return self._step_ahead()
         if not self.scheduler.has_unfinished_requests():
             return []
         scheduler_output = None
@@ -115,3 +137,45 @@ class EngineCore:
             if isinstance(exc, Exception):
                 raise StepFailed(failed) from exc
             raise
+
+    def _step_ahead(self) -> list[EngineCoreOutput]:
+        """Async scheduling's step: launch the next batch, then read back the one before (first,
+        where one of its requests must be read before the next is scheduled) and return its outputs."""
+        last, self.in_flight = self.in_flight, None
+        scheduler, runner = self.scheduler, self.model_runner
+        outputs: list[EngineCoreOutput] = []
+        scheduled: Optional[SchedulerOutput] = None
+        scheduling = False
+        try:
+            if last is not None and last.scheduler_output.waits_for_tokens:
+                outputs, last = self._read_back(last), None
+            if scheduler.has_unfinished_requests():
+                scheduling = True
+                scheduled = scheduler.schedule()
+                scheduling = False
+                self.in_flight = InFlight(scheduled, runner.launch(scheduled))
+            if last is not None:
+                outputs = self._read_back(last)
+            return outputs
+        except BaseException as exc:
+            # The batches launched and not read back hold half-run requests (their tokens in
+            # flight lost); every request where scheduling itself failed.
+            runner.abandon()
+            self.in_flight = None
+            half_run = [s for s in (last.scheduler_output if last else None, scheduled) if s is not None]
+            failed = self.fail(list(scheduler.requests) if scheduling else
+                               list(dict.fromkeys(r for s in half_run for r in s.num_scheduled_tokens)))
+            if isinstance(exc, Exception):
+                raise StepFailed(failed) from exc
+            raise
+
+    def read_back_in_flight(self) -> list[EngineCoreOutput]:
+        """Read back the batch in flight, if any (async scheduling), and return its outputs:
+        after it no token is in flight, and steps may be switched to wait for theirs."""
+        step, self.in_flight = self.in_flight, None
+        return [] if step is None else self._read_back(step)
+
+    def _read_back(self, step: InFlight) -> list[EngineCoreOutput]:
+        outputs = self.scheduler.update_from_output(step.scheduler_output, self.model_runner.collect(step.launched))
+        self._forget_when_idle()
+        return outputs

@@ -112,7 +112,10 @@ class KVCacheManager:
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         req_blocks.extend(new_blocks)
         if self.enable_caching:
-            self._cache_full_blocks(request, req_blocks, num_computed + num_new_tokens - num_draft_tokens)
+            # (a block is registered once its tokens are known: under async scheduling, the token a
+            # step in flight samples is read in the next step before it is)
+            self._cache_full_blocks(request, req_blocks,
+                                    min(num_computed + num_new_tokens - num_draft_tokens, request.num_tokens))
         return new_blocks
 
     def can_allocate(self, request: Request, num_new_tokens: int,

@@ -96,7 +96,7 @@ class Request:
                  "num_computed_tokens", "num_cached_tokens", "status", "stop_reason",
                  "block_hashes", "num_preemptions", "first_scheduled_time", "num_prompt_logprobs",
                  "structured_state", "priority", "lora", "spec_token_ids", "token_history",
-                 "spec_misses", "spec_pause", "spec_masks")
+                 "spec_misses", "spec_pause", "spec_masks", "num_pending", "reads_tokens_on_host")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_id: Optional[int],
@@ -133,6 +133,10 @@ class Request:
         self.spec_misses = 0  # steps in a row whose guesses were all refused
         self.spec_pause = 0  # steps left before it guesses again (after misses)
         self.spec_masks: list = []  # structured output: its rows' masks, the guesses before each read
+        # async scheduling: tokens sampled by a step in flight, not appended yet (0 or 1), and
+        # whether a step that samples for it must be read back before the next is scheduled
+        self.num_pending = 0
+        self.reads_tokens_on_host = sampling_params.reads_tokens_on_host
 
     @property
     def wants_prompt_logprobs(self) -> bool:

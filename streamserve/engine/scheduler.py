@@ -65,6 +65,8 @@ class Scheduler:
         self.max_model_len = config.model.max_model_len
         self.by_priority = config.scheduler.scheduling_policy == "priority"
         self.max_loras = config.lora.max_loras
+        # async scheduling: a step is scheduled while the last one runs, its requests' tokens in flight
+        self.runs_ahead = config.scheduler.runs_ahead
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -127,6 +129,9 @@ class Scheduler:
             self.running.sort(key=_rank)
             self._make_room(preempted, budget)
         short = False  # the running requests ran the pool dry: nobody starts this step
+        sampling: list[str] = []  # async scheduling: the requests that sample this step
+        waits = False  # (one of them is read back before the next step)
+        runs_ahead = self.runs_ahead
 
         # 1. Running requests first, oldest first (by rank, under the priority policy). (The
         # scheduled tokens count as computed from here on: the step runs them.) Preemption
@@ -134,8 +139,11 @@ class Scheduler:
         i, running = 0, self.running
         while i < len(running) and budget > 0:
             request = running[i]
-            num_computed = request.num_computed_tokens
-            num_new = min(len(request.all_token_ids) - num_computed, budget)
+            num_computed, pending = request.num_computed_tokens, request.num_pending
+            if pending and request.num_output_tokens + pending >= request.max_tokens:
+                i += 1  # (async scheduling) the token in flight is its last
+                continue
+            num_new = min(len(request.all_token_ids) + pending - num_computed, budget)
             new_blocks = kv.allocate_slots(request, num_new)
             while new_blocks is None:
                 victim = running.pop()
@@ -156,6 +164,10 @@ class Scheduler:
             cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
             cached.num_computed_tokens.append(num_computed)
             request.num_computed_tokens = num_computed + num_new
+            if runs_ahead and request.num_computed_tokens == request.num_tokens + pending:
+                request.num_pending += 1
+                sampling.append(request.request_id)
+                waits |= request.reads_tokens_on_host
             budget -= num_new
             i += 1
 
@@ -169,6 +181,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not short
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
+            if request.num_pending:  # (async scheduling) preempted with its token in flight: next step
+                break
             if request.lora is not None:
                 if loras is None:
                     loras = self._running_loras()
@@ -197,6 +211,10 @@ class Scheduler:
                 request.sampling_params, request.eos_token_id,
                 kv.get_block_ids(request.request_id), num_hit, request.lora))
             request.num_computed_tokens += num_new
+            if runs_ahead and request.num_computed_tokens == request.num_tokens:
+                request.num_pending = 1
+                sampling.append(request.request_id)
+                waits |= request.reads_tokens_on_host
             budget -= num_new
         self.waiting.extendleft(reversed(passed_over))
 
@@ -217,6 +235,8 @@ class Scheduler:
             allowed_token_masks=self._allowed_token_masks(num_scheduled, spec_tokens),
             scheduled_spec_decode_tokens=spec_tokens,
             trimmed_block_counts=self.trimmed_block_counts,
+            sampling_req_ids=sampling,
+            waits_for_tokens=waits,
         )
         self.finished_req_ids = set()
         if self.trimmed_block_counts:
@@ -282,6 +302,8 @@ class Scheduler:
         kv, waiting, running = self.kv_cache_manager, self.waiting, self.running
         while waiting and running and waiting[0].priority < running[-1].priority:
             head = waiting[0]
+            if head.num_pending:  # (async scheduling) it starts no sooner than the next step
+                return
             if head.lora is not None and self._lora_blocked(head, self._running_loras()):
                 return  # it would be passed over (max_loras) whatever is preempted: preempt none
             if len(running) < self.max_num_seqs:
@@ -326,11 +348,18 @@ class Scheduler:
         prompt_logprobs = self._new_prompt_logprobs(runner_output.prompt_logprobs) \
             if runner_output.prompt_logprobs else {}
         any_finished = False
+        for req_id in scheduler_output.sampling_req_ids:  # (async scheduling) their tokens are here
+            request = requests.get(req_id)
+            if request is not None:
+                request.num_pending -= 1
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        waiting = RequestStatus.PREEMPTED
         for i, (req_id, tokens) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = requests.get(req_id)
-            if request is None:  # aborted while the step ran
+            if request is None:  # aborted while the step ran (or, async, finished by the step before)
                 continue
+            # (async scheduling: preempted by the step scheduled since, it waits with its token to come)
+            preempted = request.status is waiting
             num_accepted = len(tokens) - 1  # (the guesses its rows agreed with, before a stop cuts them)
             if len(tokens) == 1:  # (the common step: one token, no slicing)
                 finished = self._append_token(request, tokens[0])
@@ -365,6 +394,8 @@ class Scheduler:
                 any_finished = True
                 del self.requests[req_id]
                 self._free(request)
+                if preempted:
+                    self.waiting.remove(request)
         if any_finished:
             self.running = [r for r in self.running if not r.status.finished]
         for req_id, entries in prompt_logprobs.items():  # of prompt chunks that sampled nothing yet

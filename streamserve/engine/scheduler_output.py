@@ -67,6 +67,11 @@ class SchedulerOutput:
     # req_id -> how many of its blocks it keeps: the scheduler took back the rest (taken for
     # guesses refused since the last step), before this step's new_block_ids
     trimmed_block_counts: dict[str, int] = field(default_factory=dict)
+    # async scheduling: the requests this step samples for, each counted as having one token in
+    # flight until the step's output is read (Request.num_pending); and whether one of them must
+    # be read back before the next step is scheduled (SamplingParams.reads_tokens_on_host)
+    sampling_req_ids: list[str] = field(default_factory=list)
+    waits_for_tokens: bool = False
 
 
 @dataclass

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -100,9 +100,12 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def replay(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-               seq_lens: np.ndarray, block_tables: np.ndarray) -> torch.Tensor:
+               seq_lens: np.ndarray, block_tables: np.ndarray,
+               carry: Optional[Callable[[torch.Tensor], None]] = None) -> torch.Tensor:
         """Hidden states [n, H] for n <= max_batch decode tokens (the arrays' first dim, on the
-        host): two copies in (the packed rows, the block tables), then one launch."""
+        host): two copies in (the packed rows, the block tables), then one launch. `carry`
+        writes into the token IDs' buffer, once they are in, those that are on the device
+        already (async scheduling: the tokens sampled by the step before, still in flight)."""
         n, b = len(input_ids), self.padded_size(len(input_ids))
         packed = np.zeros(_packed_len(b), dtype=np.int64)
         ids, pos, slots, lens = _unpacked(packed, b, np.int32)
@@ -110,6 +113,8 @@ class DecodeGraphs:
         slots[n:] = -1  # padding rows: write no slot, read no key (length 0)
         self.staging.copy_into(self.packed[:len(packed)], packed)
         self.staging.copy_into(self.block_tables[:n, :block_tables.shape[1]], block_tables)
+        if carry is not None:
+            carry(self.packed[:n])
         if b in self.graphs:
             self.graphs[b].replay()
             return self.outputs[b][:n]

@@ -17,7 +17,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -150,6 +150,41 @@ class GraphDecodeInputs(NamedTuple):
     slot_mapping: np.ndarray
     seq_lens: np.ndarray
     block_tables: np.ndarray
+
+
+class LaunchedStep:
+    """A step whose work is queued on the device (ModelRunner.launch), for ModelRunner.collect
+    to read back: its sampling rows and their tokens on the device, and what was read on the
+    host already (logprobs, prompt logprobs, embeddings). Under async scheduling the tokens
+    also come back through a pinned buffer on their own, so that reading them waits for this
+    step's work and not for the next step's queued behind it; and `rows` says where each
+    request's token is, for the next step's decodes to read it on the device."""
+
+    __slots__ = ("samplers", "tokens", "logprobs", "prompt_logprobs", "embeddings", "spec", "host", "ready", "rows")
+
+    def __init__(self, samplers: list, tokens: Optional[torch.Tensor] = None, logprobs: Optional[list] = None,
+                 prompt_logprobs: Optional[dict] = None, embeddings: Optional[dict] = None,
+                 spec: Optional[dict] = None) -> None:
+        self.samplers, self.tokens, self.logprobs = samplers, tokens, logprobs
+        self.prompt_logprobs, self.embeddings, self.spec = prompt_logprobs, embeddings, spec
+        self.host: Optional[torch.Tensor] = None
+        self.ready: Optional[torch.cuda.Event] = None
+        self.rows: dict[str, int] = {}
+
+    def read_ahead(self) -> None:
+        """Queue the tokens' copy to the host now (async scheduling), and note each row's request."""
+        self.rows = {state.req_id: i for i, state in enumerate(self.samplers)}
+        if self.tokens.is_cuda:
+            self.host = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+            self.host.copy_(self.tokens, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def token_list(self) -> list[int]:
+        if self.ready is None:
+            return self.tokens.tolist()
+        self.ready.synchronize()
+        return self.host.tolist()
 
 
 class ModelRunner:
@@ -302,6 +337,10 @@ class ModelRunner:
         self.num_lora_requests = 0  # of those, with a LoRA adapter (their steps group their rows by it)
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
                                       -(-config.model.max_model_len // self.block_size))
+        # async scheduling: the step launched and not read back, whose tokens the next step's
+        # decodes read on the device
+        self.runs_ahead = config.scheduler.runs_ahead
+        self.in_flight: Optional[LaunchedStep] = None
 
     def _choose_gemv(self) -> None:
         """Batch-1 products through the Triton GEMV for the half-precision weight shapes where,
@@ -499,10 +538,14 @@ class ModelRunner:
     # -- one step ----------------------------------------------------------------
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect(self.launch(so))
+
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        """Queue the step's work on the device, up to its sampled tokens (read back by collect)."""
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput([], [])
-        input_ids, positions, meta, logits_indices, samplers, prompt_rows, lora = self._prepare_inputs(so)
+            return LaunchedStep([])
+        input_ids, positions, meta, logits_indices, samplers, prompt_rows, lora, carry = self._prepare_inputs(so)
         with torch.inference_mode():
             if isinstance(meta, CStepInputs):  # (with the step's LoRA adapters, where it has any)
                 hidden = self.c_step(input_ids, meta.slot_mapping, meta.query_start_loc, meta.block_tables,
@@ -511,28 +554,46 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions, self._attention(meta, self.kv_caches),
                                     self._reads_copies(len(input_ids)), lora)
             elif isinstance(meta, GraphDecodeInputs):  # a pure-decode step: a captured graph
-                hidden = self.graphs.replay(input_ids, positions, *meta)
+                hidden = self.graphs.replay(input_ids, positions, *meta, carry)
             else:
                 hidden = self.model(input_ids, positions, self._attention(meta, self.kv_caches),
                                     self._reads_copies(len(input_ids)))
             prompt_logprobs = self._prompt_logprobs(hidden, prompt_rows) if prompt_rows else None
             if not samplers:
-                return ModelRunnerOutput([], [], prompt_logprobs=prompt_logprobs)
+                return LaunchedStep([], prompt_logprobs=prompt_logprobs)
             # the head by the rows sampled: a long prefill chunk still samples one row
             rows = hidden if logits_indices is None else hidden[logits_indices]
             logits = self.model.compute_logits(rows, self._reads_copies(len(rows)))
             embeddings = self._embeddings(rows, logits, samplers) if self.num_embedding_requests else None
             masks = so.allowed_token_masks
-            tokens, logprobs = self.sampler(logits, samplers, _row_masks(samplers, masks) if masks else None)
-        if so.scheduled_spec_decode_tokens:
-            output = self._kept_guesses(samplers, tokens, logprobs, so.scheduled_spec_decode_tokens)
-            output.prompt_logprobs, output.embeddings = prompt_logprobs, embeddings
+            tokens, logprobs = self.sampler.sample(logits, samplers, _row_masks(samplers, masks) if masks else None)
+        step = LaunchedStep(samplers, tokens, logprobs, prompt_logprobs, embeddings, so.scheduled_spec_decode_tokens)
+        if self.runs_ahead:
+            step.read_ahead()
+            self.in_flight = step
+        return step
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """A launched step's output, its tokens read back (and appended to its requests)."""
+        if self.in_flight is step:
+            self.in_flight = None
+        samplers = step.samplers
+        if not samplers:
+            return ModelRunnerOutput([], [], prompt_logprobs=step.prompt_logprobs)
+        tokens, logprobs = step.token_list(), step.logprobs
+        if step.spec:
+            output = self._kept_guesses(samplers, tokens, logprobs, step.spec)
+            output.prompt_logprobs, output.embeddings = step.prompt_logprobs, step.embeddings
             return output
         for state, token in zip(samplers, tokens):
             state.token_ids.append(token)
         return ModelRunnerOutput([s.req_id for s in samplers], [[t] for t in tokens],
                                  None if logprobs is None else [None if lp is None else [lp] for lp in logprobs],
-                                 prompt_logprobs, embeddings)
+                                 step.prompt_logprobs, step.embeddings)
+
+    def abandon(self) -> None:
+        """Forget the step in flight (async scheduling), whose requests failed: none reads its tokens."""
+        self.in_flight = None
 
     @staticmethod
     def _kept_guesses(rows: list, tokens: list[int], logprobs: Optional[list], spec: dict[str, list[int]]
@@ -653,12 +714,17 @@ class ModelRunner:
         computed = [s.num_computed_tokens for s in decodes]
         pos = np.array(computed, dtype=np.int64)
         blocks, offsets = np.divmod(pos, bs)
-        ids = [np.array([s.token_ids[p] for s, p in zip(decodes, computed)], dtype=np.int64)]
+        carry = None  # (async scheduling) the tokens, in flight, that decode rows read
+        if self.in_flight is None:
+            ids = [np.array([s.token_ids[p] for s, p in zip(decodes, computed)], dtype=np.int64)]
+        else:
+            ids, carry = self._carried_ids(decodes, computed, self.in_flight)
         positions, seq_lens, rows = [pos], [pos + 1], [s.row for s in decodes]
         slots = [table[rows, blocks] * bs + offsets]
         max_decode_len = max(computed, default=0) + 1
-        # A decode row samples unless it reads a prompt token alone (a chunk of one).
-        logits_indices = [i for i, (s, p) in enumerate(zip(decodes, computed)) if p + 1 == len(s.token_ids)]
+        # A decode row samples unless it reads a prompt token alone (a chunk of one); one that
+        # reads a token in flight has it yet to come (p = len(token_ids)).
+        logits_indices = [i for i, (s, p) in enumerate(zip(decodes, computed)) if p + 1 >= len(s.token_ids)]
         samplers = decodes if len(logits_indices) == nd else [decodes[i] for i in logits_indices]
         # Rows whose logits score the next prompt token, for requests that ask for prompt logprobs:
         # (row, that token, request, position)
@@ -672,7 +738,7 @@ class ModelRunner:
                                      table[rows, :-(-max_decode_len // bs)].astype(np.int32))
             every_row = len(logits_indices) == nd
             return (ids[0], pos, meta, None if every_row else self.to_device(np.array(logits_indices, dtype=np.int64)),
-                    samplers, prompt_rows, None)
+                    samplers, prompt_rows, None, carry)
 
         chunks: list[tuple[int, int]] = []  # (rows, context before)
         start = nd
@@ -709,8 +775,34 @@ class ModelRunner:
         else:
             meta = self._attention_metadata(self.to_device(_cat(slots)), table[rows, :width], _cat(seq_lens), nd,
                                             max_decode_len, chunks)
-        return (self.to_device(_cat(ids)), self.to_device(positions), meta,
-                self.to_device(np.array(logits_indices, dtype=np.int64)), samplers, prompt_rows, lora)
+        input_ids = self.to_device(_cat(ids))
+        if carry is not None:
+            carry(input_ids)
+        return (input_ids, self.to_device(positions), meta,
+                self.to_device(np.array(logits_indices, dtype=np.int64)), samplers, prompt_rows, lora, None)
+
+    def _carried_ids(self, decodes: list[RequestState], computed: list[int], flight: LaunchedStep
+                     ) -> tuple[list[np.ndarray], Optional[Callable[[torch.Tensor], None]]]:
+        """The decodes' token IDs (async scheduling), 0 in the rows whose token the step in flight
+        samples, and what writes those into the IDs on the device: one copy where those rows lead
+        in the same order as in that step (a steady batch), else a gather by row."""
+        ids, dst, src = [], [], []
+        where = flight.rows
+        for i, (s, p) in enumerate(zip(decodes, computed)):
+            if p < len(s.token_ids):
+                ids.append(s.token_ids[p])
+            else:
+                ids.append(0)
+                dst.append(i)
+                src.append(where[s.req_id])
+        ids = [np.array(ids, dtype=np.int64)]
+        if not dst:
+            return ids, None
+        tokens, n = flight.tokens, len(dst)
+        if dst[-1] == n - 1 and dst == src:  # rows 0..n-1 from rows 0..n-1
+            return ids, lambda input_ids: input_ids[:n].copy_(tokens[:n])
+        dst_rows, src_rows = self.to_device(np.array(dst, dtype=np.int64)), self.to_device(np.array(src, dtype=np.int64))
+        return ids, lambda input_ids: input_ids.index_copy_(0, dst_rows, tokens.index_select(0, src_rows))
 
     def _replays(self, num_decodes: int) -> bool:
         """Whether a step of num_decodes decodes alone is one a captured graph (or, on the CPU,

@@ -67,6 +67,14 @@ class Sampler:
         """allowed: per row, None or a [vocab] bool mask of the only tokens it may sample
         (structured output); applied first, as allowed_token_ids are, so its logprobs are those
         of the constrained distribution."""
+        tokens, logprobs = self.sample(logits, rows, allowed)
+        return tokens.tolist(), logprobs
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow],
+               allowed: Optional[list[Optional[np.ndarray]]] = None
+               ) -> tuple[torch.Tensor, Optional[list[Optional[TokenLogprobs]]]]:
+        """As a call, with the tokens left on the device (int64 [rows]): nothing waits for
+        them unless a row asks for logprobs."""
         logits = logits.float()
         if any(r.params.allowed_token_ids is not None for r in rows):
             allowed = [_allowed_ids_mask(r, logits.shape[1]) if r.params.allowed_token_ids is not None
@@ -82,9 +90,8 @@ class Sampler:
         if any(r.params.has_penalties for r in rows):
             logits = self._penalties_in_c(logits, rows) if self._in_c(logits) else self.apply_penalties(logits, rows)
         tokens = self._choose(logits, rows)
-        token_list = tokens.tolist()
         logprobs = None if raw is None else self.logprobs(raw, tokens, [r.params.logprobs for r in rows])
-        return token_list, logprobs
+        return tokens, logprobs
 
     def _in_c(self, logits: torch.Tensor) -> bool:
         """Whether the C kernels take these logits (on the CPU, where they build)."""

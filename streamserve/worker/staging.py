@@ -3,10 +3,13 @@
 `torch.from_numpy(a).to("cuda")` copies from pageable memory, which CUDA does
 synchronously, each time: a step's half-dozen such copies (token IDs, positions, slots,
 sequence lengths, block tables, ...) cost more than the kernels of a small decode step.
-Here each array is written into one pinned buffer and copied with non_blocking=True, so
-the copies queue behind each other on the stream and the CPU goes on. A step starts with
-`begin_step()`, which waits until the previous step's copies have read the buffer before
-it is written again (by then they have: the sampler's result already came back).
+Here each array is written into a pinned buffer and copied with non_blocking=True, so
+the copies queue behind each other on the stream and the CPU goes on. There are two such
+buffers, a step's arrays in one and the next step's in the other: a step starts with
+`begin_step()`, which waits until the copies of the step before the last have read its
+buffer before it is written again. By then they have, even under async scheduling, where a
+step is laid out while the last one runs (its copies, the sampler's among them, queued
+behind that step's forward): the step before the last has been read back.
 
 On the CPU there is nothing to copy: `__call__` returns the array's own memory.
 """
@@ -26,14 +29,23 @@ class HostStaging:
         self.capacity = capacity
         self.offset = 0
         if self.pinned:
-            self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
-            self.host_np = self.host.numpy()
-            self.copied = torch.cuda.Event()
+            self.pinned_memory = [torch.empty(capacity, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self.hosts = [t.numpy() for t in self.pinned_memory]
+            self.events = [torch.cuda.Event(), torch.cuda.Event()]
+            self.read = [False, False]  # whether copies have read the buffer since it was last waited for
+            self.which = 0
+            self.host_np, self.copied = self.hosts[0], self.events[0]
 
     def begin_step(self) -> None:
-        if self.pinned and self.offset:
-            self.copied.synchronize()
+        """The next step's arrays go to the other buffer, once the copies that read it are done."""
         self.offset = 0
+        if not self.pinned:
+            return
+        self.which ^= 1
+        self.host_np, self.copied = self.hosts[self.which], self.events[self.which]
+        if self.read[self.which]:
+            self.copied.synchronize()
+            self.read[self.which] = False
 
     def __call__(self, array: np.ndarray) -> torch.Tensor:
         if not self.pinned:
@@ -68,4 +80,5 @@ class HostStaging:
 
     def _copied(self, out: torch.Tensor) -> torch.Tensor:
         self.copied.record(torch.cuda.current_stream(self.device))  # the stream the copy went on
+        self.read[self.which] = True
         return out

@@ -19,8 +19,12 @@ PROMPTS = ["The quick brown fox", "Paris is the capital of", "hello world", "def
            "Once upon a time", "Streaming servers send", "user assistant", "Caf\u00e9 \U0001f600"]
 
 
-def make_engine(model_dir: str) -> AsyncEngine:
-    return AsyncEngine(Config.from_kwargs(model=model_dir, dtype="float32", kv_cache_memory="16MiB"))
+def make_engine(model_dir: str, **settings) -> AsyncEngine:
+    return AsyncEngine(Config.from_kwargs(model=model_dir, dtype="float32", kv_cache_memory="16MiB", **settings))
+
+
+# the engine thread's loop both ways: each step read back before the next, or one step ahead
+SCHEDULING = pytest.mark.parametrize("async_scheduling", ["off", "on"])
 
 
 async def collect(engine: AsyncEngine, prompt: str, params: SamplingParams):
@@ -34,12 +38,13 @@ async def collect(engine: AsyncEngine, prompt: str, params: SamplingParams):
     return text, tokens, finish
 
 
-def test_concurrent_streams_equal_offline_results(llama_dir):
+@SCHEDULING
+def test_concurrent_streams_equal_offline_results(llama_dir, async_scheduling):
     params = SamplingParams(temperature=0, max_tokens=24, stop=["zz"])
     offline = LLM(llama_dir, dtype="float32", kv_cache_memory="16MiB").generate(PROMPTS, params, use_tqdm=False)
 
     async def main():
-        engine = make_engine(llama_dir)
+        engine = make_engine(llama_dir, async_scheduling=async_scheduling)
         engine.start()
         await engine.wait_ready()
         results = await asyncio.gather(*(collect(engine, p, params) for p in PROMPTS))
@@ -75,9 +80,10 @@ def test_one_loop_callback_per_step(llama_dir):
     assert steps >= 16 and callbacks == steps
 
 
-def test_closing_a_stream_aborts_it_and_frees_its_blocks(llama_dir):
+@SCHEDULING
+def test_closing_a_stream_aborts_it_and_frees_its_blocks(llama_dir, async_scheduling):
     async def main():
-        engine = make_engine(llama_dir)
+        engine = make_engine(llama_dir, async_scheduling=async_scheduling)
         engine.start()
         await engine.wait_ready()
         kv = engine.engine_core.scheduler.kv_cache_manager

@@ -48,6 +48,26 @@ def test_decode_graph_buffers_pad_without_effect(model_dirs):
 
 
 
+def test_async_scheduling_carries_the_tokens_into_the_graph_buffers(model_dirs):
+    """Async scheduling on the GPU path: a pure-decode step's token IDs reach the graph's
+    buffer from the host, and then (a copy on the device) those the step in flight samples;
+    the greedy tokens are still transformers'."""
+    from parity import hf_reference, parity_prompts
+    from streamserve import SamplingParams
+
+    llm = triton_llm(model_dirs["llama"], async_scheduling="on")
+    runner = llm.engine_core.model_runner
+    runner.graphs = runner.make_decode_graphs()
+    carried = []
+    original = runner.graphs.replay
+    runner.graphs.replay = lambda ids, *rest: carried.append(rest[-1] is not None) or original(ids, *rest)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in parity_prompts()[:3]]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == [tokens for tokens, _ in hf_reference(model_dirs["llama"], 3, 6)]
+    assert carried and all(carried)
+
+
 def test_the_largest_graph_fits_the_decode_workspace(model_dirs):
     """max_num_seqs 3 is captured as a graph of 4 rows (the capture sizes go 1, 2, 4, 8, ...):
     the split-KV workspace holds those 4 rows, padding included (it had 3, so capturing that
