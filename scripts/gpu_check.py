@@ -186,13 +186,16 @@ def kernel_checks(report: Report, device: torch.device, smoke: bool) -> None:
         gu = randn(gen, 33, 2 * 8192, dtype=dtype, device=dev)
         check("silu_and_mul", rel_err(activation.silu_and_mul(gu), activation.silu_and_mul_ref(gu)))
         # the batch-1 product at each launch setting the runner may choose, a shape with tails too
-        for n, k in ((3072, 2048), (1000, 300)):
-            x, w = randn(gen, 1, k, dtype=dtype, device=dev), randn(gen, n, k, dtype=dtype, device=dev)
-            bias = randn(gen, n, dtype=dtype, device=dev)
-            ref = gemv.gemv_ref(x, w, bias)
+        # (and gated: a SiLU MLP's down projection, the activation read on the fly from gate_up)
+        down = (256, 512) if smoke else (2048, 8192)
+        for n, k, gated in ((3072, 2048, False), (1000, 300, False), (*down, True), (1000, 300, True)):
+            x = randn(gen, 1, 2 * k if gated else k, dtype=dtype, device=dev)
+            w, bias = randn(gen, n, k, dtype=dtype, device=dev), randn(gen, n, dtype=dtype, device=dev)
+            ref = gemv.gemv_ref(x, w, bias, gated=gated)
             errs = [rel_err(gemv.gemv(x, w, bias, out=torch.full_like(ref, float("nan")), block_n=bn, block_k=bk,
-                                      num_warps=warps), ref) for bn, bk, warps in gemv.CONFIGS]
-            check(f"gemv [1, {k}] x [{n}, {k}]^T + bias, {len(errs)} settings", max(errs))
+                                      num_warps=warps, gated=gated), ref) for bn, bk, warps in gemv.CONFIGS]
+            check(f"gemv{' gated' if gated else ''} [1, {2 * k if gated else k}] x [{n}, {k}]^T + bias, "
+                  f"{len(errs)} settings", max(errs))
     staging_check(report, device)
 
 

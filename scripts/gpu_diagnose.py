@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -182,6 +183,15 @@ def step_phases(device: torch.device, work: str, copy_bw: float) -> None:
             f"({w.numel() * 2 / times['torch'] / 1e3 / copy_bw * 1e9:.0%} of copy bandwidth); best: "
             + ", ".join(f"{c} {times[c]:.1f} us ({w.numel() * 2 / times[c] / 1e3 / copy_bw * 1e9:.0%})"
                         for c in ranked[:5]))
+    from streamserve_kernels.activation import silu_and_mul
+
+    w = torch.randn(2048, 8192, device=device, dtype=torch.bfloat16)
+    apart = functools.partial(gemv.gemv, block_n=2, block_k=1024, num_warps=4)  # (run 4's best for this shape)
+    _, times = gemv.choose_gated(w, None, lambda x: apart(silu_and_mul(x), w), iters=100, configs=sweep)
+    ranked = sorted(times, key=times.get)
+    say(f"  SiLU-and-mul then [1, 8192] x [2048, 8192]^T: apart (the activation's kernel, then the GEMV at "
+        f"(2, 1024, 4)) {times['unfused']:.1f} us; fused, best: "
+        + ", ".join(f"{c} {times[c]:.1f} us" for c in ranked[:5]))
 
 
 def main() -> None:

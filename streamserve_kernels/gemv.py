@@ -24,21 +24,40 @@ CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8))
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _load(ptr, mask, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptr)
+    else:
+        return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def _row(x_ptr, idx, K, mask, GATED: tl.constexpr, EVEN: tl.constexpr):
+    """x[idx] in float32 (`mask`: where idx < K, unless EVEN); GATED: x is gate then up, [2K],
+    and this is silu(gate) * up, each product rounded to x's dtype as
+    activation.silu_and_mul rounds them."""
+    if GATED:
+        gate = _load(x_ptr + idx, mask, EVEN)
+        up = _load(x_ptr + K + idx, mask, EVEN).to(tl.float32)
+        g = gate.to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+        return (silu * up).to(gate.dtype).to(tl.float32)
+    else:
+        return _load(x_ptr + idx, mask, EVEN).to(tl.float32)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                 EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        if EVEN:
-            w = tl.load(w_rows + (k + cols)[None, :])
-            x = tl.load(x_ptr + k + cols)
-        else:
-            ok = (k + cols) < K
-            w = tl.load(w_rows + (k + cols)[None, :], mask=(rows < N)[:, None] & ok[None, :], other=0.0)
-            x = tl.load(x_ptr + k + cols, mask=ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        ok = (k + cols) < K
+        w = _load(w_rows + (k + cols)[None, :], (rows < N)[:, None] & ok[None, :], EVEN)
+        x = _row(x_ptr, k + cols, K, ok, GATED, EVEN)
+        acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, 1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
@@ -46,23 +65,31 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn,
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-         block_n: int = 8, block_k: int = 512, num_warps: int = 4) -> torch.Tensor:
-    """x [1, K] (contiguous), w [N, K] (rows contiguous), bias [N] or None -> out [1, N] in x's dtype."""
-    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != w.shape[1] or not x.is_contiguous() or w.stride(1) != 1:
-        raise ValueError(f"gemv takes x [1, K] contiguous and w [N, K] with contiguous rows, "
-                         f"got {tuple(x.shape)} and {tuple(w.shape)}")
+         block_n: int = 8, block_k: int = 512, num_warps: int = 4, gated: bool = False) -> torch.Tensor:
+    """x [1, K] (contiguous), w [N, K] (rows contiguous), bias [N] or None -> out [1, N] in x's dtype.
+    gated: x is [1, 2K], a gate_up projection's output, and the product is silu_and_mul(x)'s
+    (the down projection of a SiLU MLP, the activation read on the fly: one launch less)."""
+    k = w.shape[1] * (2 if gated else 1)
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k or not x.is_contiguous() or w.stride(1) != 1:
+        raise ValueError(f"gemv takes x [1, {'2K' if gated else 'K'}] contiguous and w [N, K] with contiguous "
+                         f"rows, got {tuple(x.shape)} and {tuple(w.shape)}")
     n, k = w.shape
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else x, out, n, k, w.stride(0),
-        HAS_BIAS=bias is not None, EVEN=n % block_n == 0 and k % block_k == 0,
+        HAS_BIAS=bias is not None, GATED=gated, EVEN=n % block_n == 0 and k % block_k == 0,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return out
 
 
-def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Plain torch, in float32, rounded once to x's dtype."""
+def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+             gated: bool = False) -> torch.Tensor:
+    """Plain torch, in float32, rounded once to x's dtype (gated: of silu_and_mul_ref(x))."""
+    if gated:
+        from streamserve_kernels.activation import silu_and_mul_ref
+
+        x = silu_and_mul_ref(x)
     out = x.float() @ w.float().t()
     return (out if bias is None else out + bias.float()).to(x.dtype)
 
@@ -80,10 +107,31 @@ def choose(w: torch.Tensor, bias: Optional[torch.Tensor] = None, iters: int = 20
     for block_n, block_k, warps in configs:
         candidates[(block_n, block_k, warps)] = functools.partial(
             gemv, x, w, bias, block_n=block_n, block_k=block_k, num_warps=warps)
+    return _fastest(candidates, "torch", iters, w.device)
+
+
+def choose_gated(w: torch.Tensor, bias: Optional[torch.Tensor], unfused: Callable[[torch.Tensor], torch.Tensor],
+                 iters: int = 20, configs=CONFIGS) -> tuple[Optional[Callable], dict]:
+    """Likewise for a SiLU MLP's down projection: `unfused(gate_up)` (the activation's kernel,
+    then the product the layer would take) against gemv(gated=True) at each of `configs`, which
+    reads gate and up and computes the activation in every program: (a callable (gate_up, w,
+    bias) -> out for the fused winner, or None where unfused wins, {setting: microseconds})."""
+    x = torch.randn(1, 2 * w.shape[1], dtype=w.dtype, device=w.device)
+    candidates = {"unfused": lambda: unfused(x)}
+    for block_n, block_k, warps in configs:
+        candidates[(block_n, block_k, warps)] = functools.partial(
+            gemv, x, w, bias, block_n=block_n, block_k=block_k, num_warps=warps, gated=True)
+    fn, times = _fastest(candidates, "unfused", iters, w.device)
+    return None if fn is None else functools.partial(fn, gated=True), times
+
+
+def _fastest(candidates: dict, baseline: str, iters: int, device: torch.device) -> tuple[Optional[Callable], dict]:
+    """Time each candidate as `iters` calls captured in one CUDA graph: (gemv at the fastest
+    one's settings, or None where `baseline` is fastest, {name: microseconds a call})."""
     times = {}
     for name, fn in candidates.items():
         fn()  # compiles, outside the capture
-        torch.cuda.synchronize(w.device)
+        torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for _ in range(iters):
@@ -98,7 +146,7 @@ def choose(w: torch.Tensor, bias: Optional[torch.Tensor] = None, iters: int = 20
         times[name] = start.elapsed_time(end) * 1e3 / (3 * iters)
         del graph
     best = min(times, key=times.get)
-    if best == "torch":
+    if best == baseline:
         return None, times
     block_n, block_k, warps = best
     return functools.partial(gemv, block_n=block_n, block_k=block_k, num_warps=warps), times

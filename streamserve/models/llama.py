@@ -301,9 +301,15 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
         # (SiLU's: streamserve_kernels.activation.silu_and_mul under use_kernels)
         self.act = GATES[arch.hidden_act]
+        # (gate_up [1, 2I], weight, bias) -> down_proj(act(gate_up)) in one kernel, for one-row
+        # steps (the runner sets it on the GPU where it wins: streamserve_kernels.gemv.choose_gated)
+        self.gated_down: Optional[Callable] = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        return ctx.linear(self.down_proj, self.act(ctx.linear(self.gate_up_proj, x)))
+        gate_up = ctx.linear(self.gate_up_proj, x)
+        if self.gated_down is not None and ctx.lora is None and gate_up.shape[0] == 1 and gate_up.is_contiguous():
+            return self.gated_down(gate_up, self.down_proj.weight, self.down_proj.bias)
+        return ctx.linear(self.down_proj, self.act(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -361,6 +361,24 @@ class ModelRunner:
             best = min(times, key=times.get)
             logger.info("one-row product [1, %d] x [%d, %d]^T: %s (%.1f us; torch's %.1f us)", shape[1], *shape,
                         "torch's" if fn is None else f"the Triton GEMV {best}", times[best], times["torch"])
+        if self.model.arch.hidden_act != "silu":
+            return
+        from streamserve_kernels.activation import silu_and_mul
+
+        gated: dict[tuple, tuple] = {}
+        for layer in self.model.layers:  # the down projections: with SiLU-and-mul read on the fly, where that wins
+            mlp, w = layer.mlp, layer.mlp.down_proj.weight
+            key = (tuple(w.shape), w.dtype, mlp.down_proj.bias is not None)
+            if key not in chosen:  # (not a weight the GEMV takes)
+                continue
+            if key not in gated:
+                gated[key] = gemv.choose_gated(w, mlp.down_proj.bias, lambda x, down=mlp.down_proj: down(silu_and_mul(x)))
+            mlp.gated_down = gated[key][0]
+        for (shape, _, _), (fn, times) in gated.items():
+            best = min(times, key=times.get)
+            logger.info("one-row down projection [1, %d] x [%d, %d]^T after SiLU-and-mul: %s (%.1f us; apart %.1f us)",
+                        shape[1], *shape, "apart" if fn is None else f"fused into the Triton GEMV {best}",
+                        times[best], times["unfused"])
 
     def _quantized_blocks(self, model_dir: str) -> dict:
         """The quantized blocks of a model converted from GGUF, or of a quantized checkpoint

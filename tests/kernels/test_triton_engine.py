@@ -68,6 +68,27 @@ def test_async_scheduling_carries_the_tokens_into_the_graph_buffers(model_dirs):
     assert carried and all(carried)
 
 
+def test_one_row_steps_through_the_gated_down_projection(model_dirs):
+    """With SiLU-and-mul fused into the down projection's GEMV (what the runner chooses on a GPU
+    where it wins), one-row decode steps still give transformers' greedy tokens."""
+    import functools
+
+    from parity import hf_reference, parity_prompts
+    from streamserve import SamplingParams
+    from streamserve_kernels.gemv import gemv
+
+    llm = triton_llm(model_dirs["llama"])
+    calls = []
+    fused = functools.partial(gemv, block_n=4, block_k=64, gated=True)
+    for layer in llm.engine_core.model_runner.model.layers:
+        layer.mlp.gated_down = lambda *args: calls.append(1) or fused(*args)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    want = [tokens for tokens, _ in hf_reference(model_dirs["llama"], 2, 5)]
+    got = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
+           for p in parity_prompts()[:2]]
+    assert got == want and calls
+
+
 def test_the_largest_graph_fits_the_decode_workspace(model_dirs):
     """max_num_seqs 3 is captured as a graph of 4 rows (the capture sizes go 1, 2, 4, 8, ...):
     the split-KV workspace holds those 4 rows, padding included (it had 3, so capturing that
