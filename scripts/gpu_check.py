@@ -196,6 +196,16 @@ def kernel_checks(report: Report, device: torch.device, smoke: bool) -> None:
                                       num_warps=warps, gated=gated), ref) for bn, bk, warps in gemv.CONFIGS]
             check(f"gemv{' gated' if gated else ''} [1, {2 * k if gated else k}] x [{n}, {k}]^T + bias, "
                   f"{len(errs)} settings", max(errs))
+        # (and normed: a layer's RMSNorm, after the residual add, in the kernel of the product after it)
+        for n, k, with_residual in ((3072, 2048, True), (1000, 300, False)):
+            x, nw = randn(gen, 1, k, dtype=dtype, device=dev), randn(gen, k, dtype=dtype, device=dev)
+            residual = randn(gen, 1, k, dtype=dtype, device=dev) if with_residual else None
+            w, bias = randn(gen, n, k, dtype=dtype, device=dev), randn(gen, n, dtype=dtype, device=dev)
+            ref, ref_total = gemv.normed_gemv_ref(x, residual, nw, 1e-5, w, bias)
+            runs = [gemv.normed_gemv(x, residual, nw, 1e-5, w, bias, block_n=bn, block_k=bk, num_warps=warps)
+                    for bn, bk, warps in gemv.CONFIGS]
+            check(f"normed gemv [1, {k}]{' + residual' if with_residual else ''} x [{n}, {k}]^T + bias, "
+                  f"{len(runs)} settings", max(max(rel_err(out, ref), rel_err(total, ref_total)) for out, total in runs))
     staging_check(report, device)
 
 

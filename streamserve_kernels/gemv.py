@@ -32,31 +32,62 @@ def _load(ptr, mask, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _row(x_ptr, idx, K, mask, GATED: tl.constexpr, EVEN: tl.constexpr):
-    """x[idx] in float32 (`mask`: where idx < K, unless EVEN); GATED: x is gate then up, [2K],
-    and this is silu(gate) * up, each product rounded to x's dtype as
-    activation.silu_and_mul rounds them."""
+def _total(x_ptr, r_ptr, idx, mask, HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr):
+    """x[idx] (+ residual[idx], rounded to the residual's dtype: fused_add_rms_norm's new
+    residual) in float32."""
+    x = _load(x_ptr + idx, mask, EVEN).to(tl.float32)
+    if HAS_RESIDUAL:
+        return (x + _load(r_ptr + idx, mask, EVEN).to(tl.float32)).to(r_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def _row(x_ptr, r_ptr, nw_ptr, inv_rms, idx, K, mask, GATED: tl.constexpr, NORMED: tl.constexpr,
+         HAS_RESIDUAL: tl.constexpr, ROUND_NORMED: tl.constexpr, EVEN: tl.constexpr):
+    """The product's input at idx in float32 (`mask`: where idx < K, unless EVEN). GATED: x is
+    gate then up, [2K], and this is silu(gate) * up, each product rounded to x's dtype as
+    activation.silu_and_mul rounds them. NORMED: rms_norm(x + residual) * the norm's weight,
+    rounded as norm.fused_add_rms_norm rounds it (inv_rms: the row's, from a first pass)."""
     if GATED:
         gate = _load(x_ptr + idx, mask, EVEN)
         up = _load(x_ptr + K + idx, mask, EVEN).to(tl.float32)
         g = gate.to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
         return (silu * up).to(gate.dtype).to(tl.float32)
+    elif NORMED:
+        normed = _total(x_ptr, r_ptr, idx, mask, HAS_RESIDUAL, EVEN) * inv_rms
+        if ROUND_NORMED:
+            normed = normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+        weight = _load(nw_ptr + idx, mask, EVEN).to(tl.float32)
+        return (normed * weight).to(x_ptr.dtype.element_ty).to(tl.float32)
     else:
         return _load(x_ptr + idx, mask, EVEN).to(tl.float32)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                 EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, eps,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 ROUND_NORMED: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
+    inv_rms = 0.0
+    if NORMED:  # a first pass over the row for its sum of squares; the first program writes the new residual
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        first = tl.program_id(0) == 0
+        for k in range(0, K, BLOCK_K):
+            ok = (k + cols) < K
+            total = _total(x_ptr, r_ptr, k + cols, ok, HAS_RESIDUAL, EVEN)
+            squares += total * total
+            if HAS_RESIDUAL:
+                tl.store(new_r_ptr + k + cols, total.to(new_r_ptr.dtype.element_ty), mask=ok & first)
+        inv_rms = tl.rsqrt(tl.sum(squares, 0) / K + eps)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         ok = (k + cols) < K
         w = _load(w_rows + (k + cols)[None, :], (rows < N)[:, None] & ok[None, :], EVEN)
-        x = _row(x_ptr, k + cols, K, ok, GATED, EVEN)
+        x = _row(x_ptr, r_ptr, nw_ptr, inv_rms, k + cols, K, ok, GATED, NORMED, HAS_RESIDUAL, ROUND_NORMED, EVEN)
         acc += w.to(tl.float32) * x[None, :]
     out = tl.sum(acc, 1)
     if HAS_BIAS:
@@ -73,12 +104,37 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, 
     if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != k or not x.is_contiguous() or w.stride(1) != 1:
         raise ValueError(f"gemv takes x [1, {'2K' if gated else 'K'}] contiguous and w [N, K] with contiguous "
                          f"rows, got {tuple(x.shape)} and {tuple(w.shape)}")
+    return _launch(x, None, None, None, 0.0, w, bias, out, block_n, block_k, num_warps, gated)
+
+
+def normed_gemv(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                w: torch.Tensor, bias: Optional[torch.Tensor] = None, block_n: int = 8, block_k: int = 512,
+                num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's RMSNorm (after the residual add) and the product that follows it, for one row:
+    (rms_norm(x + residual) * norm_weight @ w^T (+ bias) [1, N], x + residual [1, K]), rounded as
+    norm.fused_add_rms_norm and then gemv round them. x and residual [1, K] contiguous and left
+    as they are: the new residual is a new tensor (residual None: no add, and x is returned as it)."""
+    k = w.shape[1]
+    for name, t in (("x", x), ("residual", residual)):
+        if t is not None and (t.dim() != 2 or t.shape != (1, k) or not t.is_contiguous()):
+            raise ValueError(f"normed_gemv takes {name} [1, {k}] contiguous, got {tuple(t.shape)}")
+    if norm_weight.shape != (k,) or w.stride(1) != 1:
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} and w {tuple(w.shape)} do not fit x [1, {k}]")
+    new_residual = x if residual is None else torch.empty_like(residual)
+    out = _launch(x, residual, norm_weight, new_residual, eps, w, bias, None, block_n, block_k, num_warps, False)
+    return out, new_residual
+
+
+def _launch(x, residual, norm_weight, new_residual, eps, w, bias, out, block_n, block_k, num_warps, gated):
     n, k = w.shape
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    normed = norm_weight is not None
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, bias if bias is not None else x, out, n, k, w.stride(0),
-        HAS_BIAS=bias is not None, GATED=gated, EVEN=n % block_n == 0 and k % block_k == 0,
+        x, residual if residual is not None else x, norm_weight if normed else x,
+        new_residual if residual is not None else x, w, bias if bias is not None else x, out, n, k, w.stride(0), eps,
+        HAS_BIAS=bias is not None, GATED=gated, NORMED=normed, HAS_RESIDUAL=residual is not None,
+        ROUND_NORMED=normed and norm_weight.dtype != torch.float32, EVEN=n % block_n == 0 and k % block_k == 0,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
     return out
 
@@ -92,6 +148,16 @@ def gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = No
         x = silu_and_mul_ref(x)
     out = x.float() @ w.float().t()
     return (out if bias is None else out + bias.float()).to(x.dtype)
+
+
+def normed_gemv_ref(x: torch.Tensor, residual: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                    w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch: norm.rms_norm_ref, then gemv_ref."""
+    from streamserve_kernels.norm import rms_norm_ref
+
+    normed, total = (rms_norm_ref(x, norm_weight, eps), x) if residual is None else \
+        rms_norm_ref(x, norm_weight, eps, residual)
+    return gemv_ref(normed, w, bias), total
 
 
 def choose(w: torch.Tensor, bias: Optional[torch.Tensor] = None, iters: int = 20,
@@ -125,9 +191,38 @@ def choose_gated(w: torch.Tensor, bias: Optional[torch.Tensor], unfused: Callabl
     return None if fn is None else functools.partial(fn, gated=True), times
 
 
-def _fastest(candidates: dict, baseline: str, iters: int, device: torch.device) -> tuple[Optional[Callable], dict]:
-    """Time each candidate as `iters` calls captured in one CUDA graph: (gemv at the fastest
-    one's settings, or None where `baseline` is fastest, {name: microseconds a call})."""
+def choose_normed(w: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
+                  linear: Callable[[torch.Tensor], torch.Tensor], iters: int = 20,
+                  configs=CONFIGS) -> tuple[Optional[Callable], dict]:
+    """Likewise for a layer's first product after its RMSNorm: the norm's kernel (with the
+    residual add, in place) and then `linear` (the product the layer would take) against
+    normed_gemv at each of `configs`, which reads the row and computes the norm in every program:
+    (a callable (x, residual, norm_weight, eps, w, bias) -> (out, new residual) for the fused
+    winner, or None where apart wins, {setting: microseconds})."""
+    from streamserve_kernels.norm import fused_add_rms_norm
+
+    x, residual = (torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for _ in range(2))
+    candidates = {"unfused": lambda: linear(fused_add_rms_norm(x, residual, norm_weight, eps)[0])}
+    for block_n, block_k, warps in configs:
+        candidates[(block_n, block_k, warps)] = functools.partial(
+            normed_gemv, x, residual, norm_weight, eps, w, bias, block_n=block_n, block_k=block_k, num_warps=warps)
+    return _fastest(candidates, "unfused", iters, w.device, normed_gemv)
+
+
+def _fastest(candidates: dict, baseline: str, iters: int, device: torch.device,
+             kernel: Callable = gemv) -> tuple[Optional[Callable], dict]:
+    """Time each candidate (_timed): (`kernel` at the fastest one's settings, or None where
+    `baseline` is fastest, {name: microseconds a call})."""
+    times = _timed(candidates, device, iters)
+    best = min(times, key=times.get)
+    if best == baseline:
+        return None, times
+    block_n, block_k, warps = best
+    return functools.partial(kernel, block_n=block_n, block_k=block_k, num_warps=warps), times
+
+
+def _timed(candidates: dict, device: torch.device, iters: int) -> dict:
+    """{name: microseconds a call} for each candidate, timed as `iters` calls captured in one CUDA graph."""
     times = {}
     for name, fn in candidates.items():
         fn()  # compiles, outside the capture
@@ -145,8 +240,4 @@ def _fastest(candidates: dict, baseline: str, iters: int, device: torch.device) 
         end.synchronize()
         times[name] = start.elapsed_time(end) * 1e3 / (3 * iters)
         del graph
-    best = min(times, key=times.get)
-    if best == baseline:
-        return None, times
-    block_n, block_k, warps = best
-    return functools.partial(gemv, block_n=block_n, block_k=block_k, num_warps=warps), times
+    return times

@@ -277,7 +277,10 @@ class LlamaAttention(nn.Module):
         self.rotates = arch.rotates(layer_idx)  # (SmolLM3's every fourth layer does not)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        qkv = ctx.linear(self.qkv_proj, x)
+        return self.attend(ctx.linear(self.qkv_proj, x), ctx)
+
+    def attend(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """From the QKV projection's output on."""
         heads = self.num_heads + self.num_kv_heads
         # q and k side by side as [T, Hq + Hkv, D]: normed and rotated in one go.
         qk = qkv[:, :self.q_size + self.kv_size].view(-1, heads, self.head_dim)
@@ -306,7 +309,10 @@ class LlamaMLP(nn.Module):
         self.gated_down: Optional[Callable] = None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        gate_up = ctx.linear(self.gate_up_proj, x)
+        return self.down(ctx.linear(self.gate_up_proj, x), ctx)
+
+    def down(self, gate_up: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """From the gate_up projection's output on."""
         if self.gated_down is not None and ctx.lora is None and gate_up.shape[0] == 1 and gate_up.is_contiguous():
             return self.gated_down(gate_up, self.down_proj.weight, self.down_proj.bias)
         return ctx.linear(self.down_proj, self.act(gate_up))
@@ -328,6 +334,19 @@ class LlamaDecoderLayer(nn.Module):
         if arch.sandwich_norms or arch.post_norms:
             self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.residual_scale = arch.residual_scale  # (Granite's residual_multiplier)
+        # (x, residual, norm weight, eps, weight, bias) -> (the product of the normed row, the new
+        # residual) in one kernel, for one-row steps: each norm and the projection after it (the
+        # runner sets them on the GPU where they win, streamserve_kernels.gemv.choose_normed;
+        # only a layer of two plain pre-norms takes them, plain_norms)
+        self.normed_qkv: Optional[Callable] = None
+        self.normed_gate_up: Optional[Callable] = None
+
+    @property
+    def plain_norms(self) -> bool:
+        """Whether its norms are Llama's alone: one before attention, one before the MLP, each
+        after the residual add, nothing scaled."""
+        return (self.input_layernorm is not None and self.pre_feedforward_layernorm is None
+                and self.post_feedforward_layernorm is None and self.residual_scale == 1.0)
 
     def norms(self) -> list[RMSNorm]:
         return [n for n in (self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
@@ -335,6 +354,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext):
         """(hidden, residual) -> the next layer's: the residual stream is their sum."""
+        if self.normed_qkv is not None and ctx.lora is None and hidden.shape[0] == 1 and hidden.is_contiguous():
+            return self._one_row(hidden, residual, ctx)
         if self.input_layernorm is None:  # OLMo 2: x + norm(attention(x)), then + norm(mlp(that))
             x = hidden if residual is None else hidden + residual
             x = x + self.post_attention_layernorm(self.self_attn(x, ctx))
@@ -353,6 +374,17 @@ class LlamaDecoderLayer(nn.Module):
             return (hidden * self.residual_scale if self.residual_scale != 1.0 else hidden), residual
         hidden, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(hidden), residual)
         return self.post_feedforward_layernorm(self.mlp(hidden, ctx)), residual
+
+    def _one_row(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext):
+        """forward for one row, each norm in the kernel of the projection after it (normed_qkv,
+        normed_gate_up; a layer of plain_norms)."""
+        attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
+        qkv, residual = self.normed_qkv(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
+                                        attn.qkv_proj.bias)
+        hidden, norm = attn.attend(qkv, ctx), self.post_attention_layernorm
+        gate_up, residual = self.normed_gate_up(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
+                                                mlp.gate_up_proj.bias)
+        return mlp.down(gate_up, ctx), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -361,24 +361,45 @@ class ModelRunner:
             best = min(times, key=times.get)
             logger.info("one-row product [1, %d] x [%d, %d]^T: %s (%.1f us; torch's %.1f us)", shape[1], *shape,
                         "torch's" if fn is None else f"the Triton GEMV {best}", times[best], times["torch"])
-        if self.model.arch.hidden_act != "silu":
-            return
+        self._choose_fused(set(chosen))
+
+    def _choose_fused(self, takes: set) -> None:
+        """The one-row kernels that fold a small op into the product after (or before) it, where,
+        timed here once per shape against the op's kernel and then the layer's product, they
+        win: SiLU-and-mul into the down projection (LlamaMLP.gated_down); each norm of a layer of
+        plain pre-norms into the projection after it (LlamaDecoderLayer.normed_qkv and
+        normed_gate_up, both or neither). `takes`: the (shape, dtype, bias) keys of the weights
+        the GEMV takes (_choose_gemv)."""
+        from streamserve_kernels import gemv
         from streamserve_kernels.activation import silu_and_mul
 
-        gated: dict[tuple, tuple] = {}
-        for layer in self.model.layers:  # the down projections: with SiLU-and-mul read on the fly, where that wins
-            mlp, w = layer.mlp, layer.mlp.down_proj.weight
-            key = (tuple(w.shape), w.dtype, mlp.down_proj.bias is not None)
-            if key not in chosen:  # (not a weight the GEMV takes)
-                continue
-            if key not in gated:
-                gated[key] = gemv.choose_gated(w, mlp.down_proj.bias, lambda x, down=mlp.down_proj: down(silu_and_mul(x)))
-            mlp.gated_down = gated[key][0]
-        for (shape, _, _), (fn, times) in gated.items():
+        fused: dict[tuple, tuple] = {}
+
+        def pick(kind: str, linear: Linear, choose):
+            w = linear.weight
+            key = (tuple(w.shape), w.dtype, linear.bias is not None)
+            if key not in takes:
+                return None
+            if (kind, key) not in fused:
+                fused[kind, key] = choose(w, linear.bias)
+            return fused[kind, key][0]
+
+        for layer in self.model.layers:
+            mlp, attn = layer.mlp, layer.self_attn
+            if self.model.arch.hidden_act == "silu":
+                mlp.gated_down = pick("SiLU-and-mul, then", mlp.down_proj,
+                                      lambda w, b, down=mlp.down_proj: gemv.choose_gated(w, b, lambda x: down(silu_and_mul(x))))
+            if layer.plain_norms:
+                qkv, gate_up = (pick("RMSNorm, then", linear, lambda w, b, norm=norm, linear=linear: gemv.choose_normed(
+                    w, b, norm.weight, norm.eps, linear)) for norm, linear in (
+                    (layer.input_layernorm, attn.qkv_proj), (layer.post_attention_layernorm, mlp.gate_up_proj)))
+                if qkv is not None and gate_up is not None:
+                    layer.normed_qkv, layer.normed_gate_up = qkv, gate_up
+        for (kind, (shape, _, _)), (fn, times) in fused.items():
             best = min(times, key=times.get)
-            logger.info("one-row down projection [1, %d] x [%d, %d]^T after SiLU-and-mul: %s (%.1f us; apart %.1f us)",
-                        shape[1], *shape, "apart" if fn is None else f"fused into the Triton GEMV {best}",
-                        times[best], times["unfused"])
+            logger.info("one-row step: %s [1, %d] x [%d, %d]^T: %s (%.1f us; apart %.1f us)", kind, shape[1], *shape,
+                        "apart" if fn is None else f"in the Triton GEMV's kernel {best}", times[best],
+                        times["unfused"])
 
     def _quantized_blocks(self, model_dir: str) -> dict:
         """The quantized blocks of a model converted from GGUF, or of a quantized checkpoint

@@ -53,3 +53,31 @@ def test_gated_gemv_is_the_product_of_silu_and_mul(gen, device, dtype, n, k):
         assert torch.equal(out, apart)
     with pytest.raises(ValueError, match="x \\[1, 2K\\]"):
         gemv(gate_up[:, :k], w, gated=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n, k", [(64, 1024), (37, 300)], ids=["even", "tails"])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
+def test_normed_gemv_is_the_norm_then_the_product(gen, device, dtype, n, k, with_residual):
+    """normed_gemv: a layer's RMSNorm (after the residual add) and the product after it in one
+    kernel, against the reference and against the norm's kernel then the GEMV; the new
+    residual comes out whole, and neither input is written."""
+    from streamserve_kernels.norm import fused_add_rms_norm, rms_norm
+    from streamserve_kernels.gemv import normed_gemv, normed_gemv_ref
+
+    x = randn(gen, 1, k, dtype=dtype, device=device) * 2
+    residual = randn(gen, 1, k, dtype=dtype, device=device) if with_residual else None
+    norm_weight = randn(gen, k, dtype=dtype, device=device)
+    w, bias = randn(gen, n, k, dtype=dtype, device=device), randn(gen, n, dtype=dtype, device=device)
+    x0, r0 = x.clone(), None if residual is None else residual.clone()
+    ref, ref_total = normed_gemv_ref(x, residual, norm_weight, 1e-6, w, bias)
+    for block_n, block_k, warps in CONFIGS[:3]:
+        out, total = normed_gemv(x, residual, norm_weight, 1e-6, w, bias, block_n=block_n, block_k=block_k,
+                                 num_warps=warps)
+        assert rel_err(out, ref) < TOLERANCE[dtype], (block_n, block_k, warps)
+        assert rel_err(total, ref_total) < TOLERANCE[dtype] and torch.equal(x, x0)
+        assert residual is None and total is x or torch.equal(residual, r0)
+        normed, new_residual = (rms_norm(x, norm_weight, 1e-6), x) if residual is None else \
+            fused_add_rms_norm(x.clone(), residual.clone(), norm_weight, 1e-6)
+        apart = gemv(normed, w, bias, block_n=block_n, block_k=block_k, num_warps=warps)
+        assert rel_err(out, apart) < TOLERANCE[dtype] / 10 and torch.equal(total, new_residual)
