@@ -255,3 +255,17 @@ def test_adapters_it_cannot_run_are_refused_by_name(llm, model_dirs, tmp_path):
         LoRARequest("x", 0, path)
     with pytest.raises(ValueError, match="one per prompt"):
         llm.generate(["a", "b", "c"], GREEDY, use_tqdm=False, lora_request=[None, None])
+
+
+def test_async_scheduling_with_adapters_in_the_batch(model_dirs, adapters):
+    """Async scheduling: prompts through the model and each adapter in one batch, each step
+    launched before the one before is read back (the adapters' rows take their tokens in flight
+    like any other): the tokens of waiting for each step."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plan = [None, LoRARequest("a", 1, adapters["llama"]["a"][0]), LoRARequest("b", 2, adapters["llama"]["b"][0])] * 3
+
+    def run(mode: str) -> list[list[int]]:
+        llm = LLM(model_dirs["llama"], dtype="float32", kv_cache_memory="16MiB", enable_lora=True,
+                  async_scheduling=mode)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts(9), params, use_tqdm=False, lora_request=plan)]
+    assert run("on") == run("off")
