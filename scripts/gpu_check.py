@@ -163,6 +163,18 @@ def kernel_checks(report: Report, device: torch.device, smoke: bool) -> None:
         cache.reshape_and_cache(b.k, b.v, b.kv_cache, b.slot_mapping)
         same = torch.equal(torch.nan_to_num(b.kv_cache, 7.0), torch.nan_to_num(expected, 7.0))
         report.add("kernels", f"reshape_and_cache {name}", "identical" if same else "differs", "identical", same)
+        # rotary and the cache write in one kernel: the same q and cache as the two kernels apart
+        rope = RotaryEmbedding(64, 4096, 500000.0, LLAMA_1B["rope_scaling"])
+        rope.build_cache(device, dtype)
+        positions = torch.randint(0, 4096, (len(b.slot_mapping),), generator=gen).to(dev)
+        q, kv_cache = randn(gen, len(b.slot_mapping), 4, 64, dtype=dtype, device=dev), b.kv_cache.clone()
+        apart_q, apart_k, apart_cache = q.clone(), b.k.clone(), b.kv_cache.clone()
+        rotary.rotary_embedding_and_cache(positions, q, b.k.clone(), b.v, rope.cos_sin_cache, kv_cache, b.slot_mapping)
+        rotary.rotary_embedding(positions, apart_q, apart_k, rope.cos_sin_cache)
+        cache.reshape_and_cache(apart_k, b.v, apart_cache, b.slot_mapping)
+        same = torch.equal(q, apart_q) and torch.equal(torch.nan_to_num(kv_cache, 7.0), torch.nan_to_num(apart_cache, 7.0))
+        report.add("kernels", f"rotary_embedding_and_cache (padding slots) {name}", "identical to the two apart"
+                   if same else "differs", "identical", same)
         # norms, rotary, activation
         x, res = randn(gen, 33, 2048, dtype=dtype, device=dev), randn(gen, 33, 2048, dtype=dtype, device=dev)
         w = randn(gen, 2048, dtype=dtype, device=dev)
@@ -175,8 +187,6 @@ def kernel_checks(report: Report, device: torch.device, smoke: bool) -> None:
             ref_out, ref_res = norm.rms_norm_ref(x, wf, 1e-5, residual=res)
             out, new_res = norm.fused_add_rms_norm(x.clone(), res.clone(), wf, 1e-5)
             check("fused_add_rms_norm, float32 weight", max(rel_err(out, ref_out), rel_err(new_res, ref_res)))
-        rope = RotaryEmbedding(64, 4096, 500000.0, LLAMA_1B["rope_scaling"])
-        rope.build_cache(device, dtype)
         positions = torch.randint(0, 4096, (33,), generator=gen).to(dev)
         q, k = randn(gen, 33, 32, 64, dtype=dtype, device=dev), randn(gen, 33, 8, 64, dtype=dtype, device=dev)
         ref_q, ref_k = (rotary.rotary_embedding_ref(positions, t, rope.cos_sin_cache) for t in (q, k))

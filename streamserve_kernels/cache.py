@@ -20,13 +20,23 @@ def _reshape_and_cache_kernel(
         NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     # One program per token, all its KV heads at once.
-    token = tl.program_id(0).to(tl.int64)
+    write_token(tl.program_id(0).to(tl.int64), key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
+                NUM_KV_HEADS, HEAD_DIM, HEADS_PAD, HEAD_DIM_PAD, BLOCK_SIZE)
+
+
+@triton.jit
+def write_token(token, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
+                NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+                HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """A token's K and V, every KV head, into its slot (none for slot -1); also rotary's, after it rotates."""
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # padding
-        return
+    keep = slot >= 0  # (-1: padding; masked rather than returned from: this is inlined into callers)
+    slot = tl.maximum(slot, 0)
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & keep
     k = tl.load(key_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(value_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
     dest = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h[:, None] * stride_ch \

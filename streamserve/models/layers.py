@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -311,14 +311,22 @@ class RotaryEmbedding(nn.Module):
     def for_step(self, positions: torch.Tensor) -> "Rotate":
         """rotate(qk [T, Hq + Hkv, D], Hq) -> qk rotated by this step's positions."""
         if self.kernel is not None:
-            kernel, cache = self.kernel, self.cos_sin_cache
-
-            def rotate(qk: torch.Tensor, num_q_heads: int) -> torch.Tensor:
-                kernel(positions, qk[:, :num_q_heads], qk[:, num_q_heads:], cache)  # in place
-                return qk
-            return rotate
+            return KernelRotate(self.kernel, positions, self.cos_sin_cache)
         cos, sin = self.cos_sin(positions)  # once per step, shared by every layer
         return lambda qk, num_q_heads: apply_rotary(qk, cos, sin)
+
+
+class KernelRotate(NamedTuple):
+    """A step's rotary through the Triton kernel (in place): what an attention backend that
+    rotates as it writes the cache takes instead (ForwardContext.attend)."""
+
+    kernel: Callable
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+
+    def __call__(self, qk: torch.Tensor, num_q_heads: int) -> torch.Tensor:
+        self.kernel(self.positions, qk[:, :num_q_heads], qk[:, num_q_heads:], self.cos_sin_cache)
+        return qk
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -346,6 +354,19 @@ class ForwardContext:
     low_precision: bool = False
     lora: Optional["LoRAStep"] = None  # the step's LoRA adapters (lora/step.py), if any
     rotate_local: Optional[Rotate] = None  # Gemma 3's windowed layers' rotary (their own base)
+
+    def attend(self, layer_idx: int, qk: torch.Tensor, v: torch.Tensor, num_q_heads: int,
+               rotate: Optional[Rotate]) -> torch.Tensor:
+        """Attention over q and k (qk [T, Hq + Hkv, D]) rotated by `rotate` (None: as they are)
+        and v; where the backend rotates as it writes the cache (rotate_and_attend, the Triton
+        path's), one kernel does both."""
+        fused = getattr(self.attention, "rotate_and_attend", None)
+        if isinstance(rotate, KernelRotate) and fused is not None:
+            return fused(layer_idx, qk[:, :num_q_heads], qk[:, num_q_heads:], v, rotate.positions,
+                         rotate.cos_sin_cache)
+        if rotate is not None:
+            qk = rotate(qk, num_q_heads)
+        return self.attention(layer_idx, qk[:, :num_q_heads], qk[:, num_q_heads:], v)
 
     def linear(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         """layer(x), and the step's adapters of that layer added to their requests' rows."""

@@ -290,11 +290,8 @@ class LlamaAttention(nn.Module):
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), 1).view(-1, heads, self.head_dim)
         elif self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), 1)
-        if self.rotates:
-            qk = (ctx.rotate_local if self.local_rope else ctx.rotate)(qk, self.num_heads)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        out = ctx.attention(self.layer_idx, q, k, v)
-        return ctx.linear(self.o_proj, out)
+        rotate = (ctx.rotate_local if self.local_rope else ctx.rotate) if self.rotates else None
+        return ctx.linear(self.o_proj, ctx.attend(self.layer_idx, qk, v, self.num_heads, rotate))
 
 
 class LlamaMLP(nn.Module):

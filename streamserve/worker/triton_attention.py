@@ -3,7 +3,8 @@
 Same contract as TorchPagedAttention (attention.py): one callable per step, called once
 per layer with that layer's q, k, v; the cache layout is the same. Per layer:
   1. reshape_and_cache writes every scheduled token's K and V to its slot (slot -1,
-     a padding row of a CUDA graph, writes nothing);
+     a padding row of a CUDA graph, writes nothing); or, through rotate_and_attend, the
+     rotary kernel rotates q and k and writes them in the same launch;
   2. the decode rows (first in the batch) go to the split-KV decode kernel, which
      reduces its splits through a workspace allocated once, so it can be captured;
   3. the prefill chunks go to the mixed-batch kernel, causal within each chunk and
@@ -37,10 +38,11 @@ class TritonPagedAttention:
                  num_heads: int, num_kv_heads: int, head_dim: int, workspace, scale: Optional[float] = None,
                  windows: tuple[int, ...] = (), softcap: Optional[float] = None) -> None:
         """scale, windows, softcap: as TorchPagedAttention takes them."""
-        from streamserve_kernels import attention, cache
+        from streamserve_kernels import attention, cache, rotary
 
         self.write, self.mixed, self.decode = (cache.reshape_and_cache, attention.paged_attention,
                                                attention.paged_decode_attention)
+        self.rotate_write = rotary.rotary_embedding_and_cache
         self.kv_caches = kv_caches
         self.meta = metadata
         self.num_heads, self.head_dim = num_heads, head_dim
@@ -49,8 +51,19 @@ class TritonPagedAttention:
         self.workspace = workspace
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.write(k, v, self.kv_caches[layer_idx], self.meta.slot_mapping)
+        return self._attend(layer_idx, q)
+
+    def rotate_and_attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        """As a call, q and k first rotated (in place) by the rotary kernel, which also writes the
+        cache: one launch where there were two (ForwardContext.attend)."""
+        self.rotate_write(positions, q, k, v, cos_sin_cache, self.kv_caches[layer_idx], self.meta.slot_mapping)
+        return self._attend(layer_idx, q)
+
+    def _attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention over the cache, this step's K and V written to it."""
         cache, meta = self.kv_caches[layer_idx], self.meta
-        self.write(k, v, cache, meta.slot_mapping)
         num_tokens, nd = q.shape[0], meta.num_decodes
         window = self.windows[layer_idx] if self.windows else 0
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)

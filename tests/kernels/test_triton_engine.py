@@ -29,7 +29,16 @@ def test_triton_path_matches_transformers_with_mixed_steps(model_dirs, monkeypat
     seen = []
     original = runner._attention
     monkeypatch.setattr(runner, "_attention", lambda meta, caches: seen.append(meta) or original(meta, caches))
+    from streamserve.worker.triton_attention import TritonPagedAttention
+
+    calls = {"rotate_and_attend": 0, "__call__": 0}
+    for name in calls:
+        original_method = getattr(TritonPagedAttention, name)
+        monkeypatch.setattr(TritonPagedAttention, name, lambda self, *args, name=name, method=original_method: (
+            calls.__setitem__(name, calls[name] + 1), method(self, *args))[1])
     check_parity(llm, model_dirs["llama"], num_prompts=5, new_tokens=6)
+    # every layer rotates as it writes the cache, in one kernel (ForwardContext.attend)
+    assert calls["rotate_and_attend"] and not calls["__call__"]
     assert all(isinstance(m, TritonAttentionMetadata) for m in seen)
     assert any(0 < m.num_decodes < m.query_start_loc.shape[0] - 1 for m in seen), "no mixed step ran"
 
