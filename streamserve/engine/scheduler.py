@@ -25,6 +25,13 @@ never cause a preemption); the step samples a token at every one of those rows,
 and the request keeps the guesses up to the first its row disagrees with, plus that row's
 token: its num_computed_tokens steps back over the rest, whose KV is written over later.
 
+Under async scheduling (core.py) a step is scheduled before the last one's tokens are back: a
+request that samples in a step counts one token in flight (Request.num_pending) until that
+step's output is read, and its gap includes it; one whose token in flight is its last
+(max_tokens, or the end of max_model_len) is not scheduled again; a request preempted with its
+token in flight starts again no sooner than that token is in (and leaves the queue if it
+finishes it); a block is registered for the prefix cache once its tokens are known.
+
 A waiting request through a LoRA adapter that would make the running batch's adapters more
 than max_loras is passed over for this step, keeping its place, and so are the LoRA requests
 behind it (the model's own still start): its turn comes once the running adapters drain.
