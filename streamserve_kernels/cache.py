@@ -48,14 +48,8 @@ def write_token(token, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mappin
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     """Write key[t] and value[t] to slot slot_mapping[t] of kv_cache (in place)."""
+    check_write(key, value, kv_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
-    if value.shape != key.shape or kv_cache.dim() != 5 or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim):
-        raise ValueError(f"key/value {tuple(key.shape)}/{tuple(value.shape)} do not fit "
-                         f"kv_cache {tuple(kv_cache.shape)}")
-    if key.stride(2) != 1 or value.stride(2) != 1 or kv_cache.stride(4) != 1:
-        raise ValueError("key, value and kv_cache must be contiguous in their last dim")
-    if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -65,6 +59,18 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=kv_cache.shape[2], num_warps=1)
+
+
+def check_write(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Refuse a K/V write (reshape_and_cache, rotary's) whose tensors do not fit each other."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape or kv_cache.dim() != 5 or tuple(kv_cache.shape[3:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"key/value {tuple(key.shape)}/{tuple(value.shape)} do not fit "
+                         f"kv_cache {tuple(kv_cache.shape)}")
+    if key.stride(2) != 1 or value.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("key, value and kv_cache must be contiguous in their last dim")
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens")
 
 
 def reshape_and_cache_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamserve_kernels.cache import write_token
+from streamserve_kernels.cache import check_write, write_token
 
 
 @triton.jit
@@ -103,12 +103,9 @@ def rotary_embedding_and_cache(positions: torch.Tensor, q: torch.Tensor, k: torc
     kv_cache, slot_mapping), in one launch: one program a token rotates its heads and writes
     its K and V to its slot."""
     half = _check(q, k, cos_sin_cache)
+    check_write(k, v, kv_cache, slot_mapping)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if v.shape != k.shape or v.stride(2) != 1 or kv_cache.dim() != 5 or tuple(kv_cache.shape[3:]) != (
-            num_kv_heads, head_dim) or kv_cache.stride(4) != 1 or slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"k/v {tuple(k.shape)}/{tuple(v.shape)}, slot_mapping {tuple(slot_mapping.shape)} do not "
-                         f"fit kv_cache {tuple(kv_cache.shape)} (contiguous in its last dim)")
     if num_tokens == 0:
         return
     k_cache, v_cache = kv_cache[0], kv_cache[1]
