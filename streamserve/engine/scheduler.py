@@ -171,10 +171,8 @@ class Scheduler:
             cached.new_block_ids.append([b.block_id for b in new_blocks] if new_blocks else [])
             cached.num_computed_tokens.append(num_computed)
             request.num_computed_tokens = num_computed + num_new
-            if runs_ahead and request.num_computed_tokens == request.num_tokens + pending:
-                request.num_pending += 1
-                sampling.append(request.request_id)
-                waits |= request.reads_tokens_on_host
+            if runs_ahead:
+                waits |= self._in_flight(request, sampling)
             budget -= num_new
             i += 1
 
@@ -218,10 +216,8 @@ class Scheduler:
                 request.sampling_params, request.eos_token_id,
                 kv.get_block_ids(request.request_id), num_hit, request.lora))
             request.num_computed_tokens += num_new
-            if runs_ahead and request.num_computed_tokens == request.num_tokens:
-                request.num_pending = 1
-                sampling.append(request.request_id)
-                waits |= request.reads_tokens_on_host
+            if runs_ahead:
+                waits |= self._in_flight(request, sampling)
             budget -= num_new
         self.waiting.extendleft(reversed(passed_over))
 
@@ -249,6 +245,17 @@ class Scheduler:
         if self.trimmed_block_counts:
             self.trimmed_block_counts = {}
         return output
+
+    @staticmethod
+    def _in_flight(request: Request, sampling: list[str]) -> bool:
+        """(async scheduling) Where the step closes the request's gap, count the token it samples
+        as in flight and add it to `sampling`; whether the step must then be read back before
+        the next is scheduled (its sampling reads the tokens on the host)."""
+        if request.num_computed_tokens != request.num_tokens + request.num_pending:
+            return False
+        request.num_pending += 1
+        sampling.append(request.request_id)
+        return request.reads_tokens_on_host
 
     def _schedule_guesses(self, guessing: list[tuple[int, Request]], budget: int, cached: CachedRequestData,
                           num_scheduled: dict[str, int]) -> dict[str, list[int]]:
