@@ -353,7 +353,7 @@ class ModelRunner:
             if not isinstance(module, Linear) or w is None or w.dim() != 2 or w.dtype not in (
                     torch.bfloat16, torch.float16) or w.device.type != "cuda" or not w.is_contiguous():
                 continue
-            key = (tuple(w.shape), w.dtype, module.bias is not None)
+            key = _weight_key(module)
             if key not in chosen:
                 chosen[key] = gemv.choose(w, module.bias)
             module.gemv = chosen[key][0]
@@ -376,12 +376,11 @@ class ModelRunner:
         fused: dict[tuple, tuple] = {}
 
         def pick(kind: str, linear: Linear, choose):
-            w = linear.weight
-            key = (tuple(w.shape), w.dtype, linear.bias is not None)
+            key = _weight_key(linear)
             if key not in takes:
                 return None
             if (kind, key) not in fused:
-                fused[kind, key] = choose(w, linear.bias)
+                fused[kind, key] = choose(linear.weight, linear.bias)
             return fused[kind, key][0]
 
         for layer in self.model.layers:
@@ -930,6 +929,12 @@ class ModelRunner:
             return out.view(len(seq_lens), 1, 1, -1)
 
         return mask(0), {w: mask(w) for w in self.windows}
+
+
+def _weight_key(linear: Linear) -> tuple:
+    """What the one-row choices are made once for: the weight's shape and dtype, and whether
+    the layer has a bias."""
+    return tuple(linear.weight.shape), linear.weight.dtype, linear.bias is not None
 
 
 def _row_masks(rows: list, masks: dict[str, np.ndarray]) -> list[Optional[np.ndarray]]:
