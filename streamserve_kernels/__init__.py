@@ -6,6 +6,8 @@
     norm        rms_norm, fused_add_rms_norm
     rotary      rotary_embedding (q and k in place)
     activation  silu_and_mul
+    gemv        gemv, normed_gemv (one-row products, the batch-1 step's)
+    sampling    argmax (greedy decoding's choice)
 
 Those submodules import triton; this package imports nothing, so `import streamserve_kernels`
 works where triton is not installed, and the CPU path compiles nothing.

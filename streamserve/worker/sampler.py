@@ -48,7 +48,8 @@ class Sampler:
     "auto": the C kernels where the device is the CPU and they build here."""
 
     def __init__(self, device: torch.device, seed: int, stage: Optional[Stage] = None,
-                 kernels: Union[object, None, str] = "auto") -> None:
+                 kernels: Union[object, None, str] = "auto",
+                 argmax: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         self.device = device
         self.stage = stage or HostStaging(device)
         self.generator = torch.Generator(device=device)
@@ -56,6 +57,11 @@ class Sampler:
         if kernels == "auto":
             kernels = _cpu_kernels() if device.type == "cpu" else None
         self.kernels = kernels
+        # logits [B, V] -> int64 [B], as torch's argmax (streamserve_kernels.sampling.argmax on
+        # the GPU's Triton path); a batch of plain greedy rows takes it on the logits as they
+        # come, without the cast to float32
+        self.argmax = argmax or (lambda logits: logits.argmax(dim=-1))
+        self.argmax_as_they_come = argmax is not None
 
     def column(self, values: list, dtype=np.float32) -> torch.Tensor:
         """One value per row as a [B, 1] device tensor."""
@@ -75,19 +81,27 @@ class Sampler:
                ) -> tuple[torch.Tensor, Optional[list[Optional[TokenLogprobs]]]]:
         """As a call, with the tokens left on the device (int64 [rows]): nothing waits for
         them unless a row asks for logprobs."""
-        logits = logits.float()
         if any(r.params.allowed_token_ids is not None for r in rows):
             allowed = [_allowed_ids_mask(r, logits.shape[1]) if r.params.allowed_token_ids is not None
                        else None if allowed is None else allowed[i] for i, r in enumerate(rows)]
-        if allowed is not None and any(mask is not None for mask in allowed):
+        masked = allowed is not None and any(mask is not None for mask in allowed)
+        reports = any(r.params.logprobs is not None for r in rows)
+        bans = any(r.params.min_tokens or r.params.bad_words_token_ids for r in rows)
+        biased = any(r.params.logit_bias for r in rows)
+        penalised = any(r.params.has_penalties for r in rows)
+        if (self.argmax_as_they_come and not (masked or reports or bans or biased or penalised)
+                and all(r.params.greedy for r in rows)):
+            return self.argmax(logits), None
+        logits = logits.float()
+        if masked:
             logits = self._keep_allowed(logits, allowed)
         # the logits the logprobs describe (the steps below make new tensors: these stay as they are)
-        raw = logits if any(r.params.logprobs is not None for r in rows) else None
-        if any(r.params.min_tokens or r.params.bad_words_token_ids for r in rows):
+        raw = logits if reports else None
+        if bans:
             logits = self._ban(logits, rows)
-        if any(r.params.logit_bias for r in rows):
+        if biased:
             logits = self._add_logit_bias(logits, rows)
-        if any(r.params.has_penalties for r in rows):
+        if penalised:
             logits = self._penalties_in_c(logits, rows) if self._in_c(logits) else self.apply_penalties(logits, rows)
         tokens = self._choose(logits, rows)
         logprobs = None if raw is None else self.logprobs(raw, tokens, [r.params.logprobs for r in rows])
@@ -108,7 +122,7 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         if self._in_c(logits):
             return self._choose_in_c(logits, rows)
-        greedy = logits.argmax(dim=-1)
+        greedy = self.argmax(logits)
         if all(r.params.greedy for r in rows):
             return greedy
         temps = self.column([1.0 if r.params.greedy else r.params.temperature for r in rows])

@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from streamserve_kernels import activation, attention, cache, norm, rotary  # noqa: E402
+from streamserve_kernels import activation, attention, cache, norm, rotary, sampling  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -58,6 +58,12 @@ def compile_all(dt: str) -> None:
                    {"positions_ptr": "*i64", "q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "cache_ptr": f"*{dt}"},
                    dict(HALF=32, HALF_PAD=32, Q_HEADS_PAD=16, K_HEADS_PAD=4))
     compile_kernel(activation._silu_and_mul_kernel, {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}"}, dict(BLOCK=1024))
+    compile_kernel(sampling._argmax_blocks_kernel,
+                   {"x_ptr": f"*{dt}", "value_ptr": "*fp32", "index_ptr": "*i32", "nan_ptr": "*i8"},
+                   dict(BLOCK=4096), num_warps=8)
+    compile_kernel(sampling._argmax_rows_kernel,
+                   {"value_ptr": "*fp32", "index_ptr": "*i32", "nan_ptr": "*i8", "out_ptr": "*i64"},
+                   dict(BLOCKS_PAD=32), num_warps=1)
 
 
 if __name__ == "__main__":
