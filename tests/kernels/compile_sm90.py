@@ -35,7 +35,7 @@ def compile_all(dt: str) -> None:
     precision = "ieee" if dt == "fp32" else "tf32"
     ptrs = {"out_ptr": f"*{dt}", "q_ptr": f"*{dt}", "k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}",
             "block_tables_ptr": "*i64", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-            "part_ptr": "*fp32", "lse_ptr": "*fp32"}
+            "part_ptr": "*fp32", "lse_ptr": "*fp32", "arrived_ptr": "*i32"}
     for softcap in (False, True):  # (Gemma 2's capped scores)
         compile_kernel(attention._paged_attention_kernel, ptrs, dict(
             GROUP=3, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_M=64, BLOCK_Q=21, BLOCK_SIZE=16, TILE_N=64,
@@ -44,7 +44,6 @@ def compile_all(dt: str) -> None:
             compile_kernel(attention._decode_split_kernel, ptrs, dict(
                 GROUP=3, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_M=16, BLOCK_SIZE=32, TILE_N=64, SPLIT=split,
                 SOFTCAP=softcap, PRECISION=precision, UPCAST=False))
-    compile_kernel(attention._decode_reduce_kernel, ptrs, dict(HEAD_DIM=64, HEAD_DIM_PAD=64, SPLITS_PAD=16))
     compile_kernel(cache._reshape_and_cache_kernel,
                    {"key_ptr": f"*{dt}", "value_ptr": f"*{dt}", "k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}",
                     "slot_mapping_ptr": "*i64"},

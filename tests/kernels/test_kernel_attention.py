@@ -88,6 +88,14 @@ def test_split_decode_matches_reference(gen, device, dtype, block_size, heads):
     assert (workspace.partial_out.data_ptr(), workspace.lse.data_ptr()) == buffers
     assert rel_err(out[:-1], ref[:-1]) < TOLERANCE[dtype]
     assert (out[-1] == 0).all()
+    # the last split of each (sequence, KV head) merged them and counted back to 0: the same
+    # workspace serves the next launch (a graph's next replay) at any number of splits
+    assert (workspace.arrived == 0).all()
+    out.fill_(float("nan"))
+    paged_decode_attention(b.q, b.kv_cache, seq_lens, b.block_tables, d ** -0.5, num_splits=4,
+                           workspace=workspace, out=out, tile_n=16)
+    assert rel_err(out[:-1], ref[:-1]) < TOLERANCE[dtype]
+    assert (out[-1] == 0).all() and (workspace.arrived == 0).all()
 
 
 def test_decode_without_split_writes_out_directly(gen, device):
@@ -111,7 +119,8 @@ def test_choose_num_splits():
     assert choose_num_splits(100, num_seqs=4, num_kv_heads=3, max_splits=16) == 1  # short: no split
     assert choose_num_splits(4096, num_seqs=1, num_kv_heads=3, max_splits=16) == 16  # long, few programs
     assert choose_num_splits(4096, num_seqs=1, num_kv_heads=3, max_splits=8) == 8  # workspace cap
-    assert choose_num_splits(4096, num_seqs=64, num_kv_heads=8, max_splits=16) == 1  # GPU already full
+    assert choose_num_splits(4096, num_seqs=64, num_kv_heads=8, max_splits=16) == 2  # to four programs an SM
+    assert choose_num_splits(4096, num_seqs=128, num_kv_heads=8, max_splits=16) == 1  # GPU already full
     assert choose_num_splits(1000, num_seqs=8, num_kv_heads=4, max_splits=16) == 4  # 256 tokens a split
 
 
