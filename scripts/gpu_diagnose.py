@@ -187,7 +187,7 @@ def step_phases(device: torch.device, work: str, copy_bw: float) -> None:
 
     w = torch.randn(2048, 8192, device=device, dtype=torch.bfloat16)
     apart = functools.partial(gemv.gemv, block_n=2, block_k=1024, num_warps=4)  # (run 4's best for this shape)
-    _, times = gemv.choose_gated(w, None, lambda x: apart(silu_and_mul(x), w), iters=100, configs=sweep)
+    _, times = gemv.choose_gated(w, None, lambda x, w: apart(silu_and_mul(x), w), iters=100, configs=sweep)
     ranked = sorted(times, key=times.get)
     say(f"  SiLU-and-mul then [1, 8192] x [2048, 8192]^T: apart (the activation's kernel, then the GEMV at "
         f"(2, 1024, 4)) {times['unfused']:.1f} us; fused, best: "
@@ -196,7 +196,7 @@ def step_phases(device: torch.device, work: str, copy_bw: float) -> None:
     for n, best in ((3072, (4, 512, 2)), (16384, (4, 1024, 4))):  # (run 4's best GEMV for each)
         w = torch.randn(n, 2048, device=device, dtype=torch.bfloat16)
         apart = functools.partial(gemv.gemv, block_n=best[0], block_k=best[1], num_warps=best[2])
-        _, times = gemv.choose_normed(w, None, norm_weight, 1e-5, lambda x, w=w, apart=apart: apart(x, w), iters=100,
+        _, times = gemv.choose_normed(w, None, norm_weight, 1e-5, lambda x, w, apart=apart: apart(x, w), iters=100,
                                       configs=sweep)
         ranked = sorted(times, key=times.get)
         say(f"  RMSNorm (+ residual) then [1, 2048] x [{n}, 2048]^T: apart (the norm's kernel, then the GEMV at "

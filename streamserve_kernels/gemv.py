@@ -21,6 +21,7 @@ import triton.language as tl
 
 # (BLOCK_N, BLOCK_K, num_warps) tried by `choose`
 CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8))
+MAX_COPIES = 64  # of a weight, timed cold (cold_copies)
 
 
 @triton.jit
@@ -165,55 +166,66 @@ def choose(w: torch.Tensor, bias: Optional[torch.Tensor] = None, iters: int = 20
     """The fastest of torch's one-row product and `gemv` at each of `configs` on w's shape:
     (a callable (x, w, bias) -> out for gemv's winner, or None where torch's wins,
     {setting: microseconds a product}). Each is timed as `iters` products captured in one CUDA
-    graph, as a decode step replays them: a launch from Python costs more than either kernel
-    takes on a small matrix (on an H200, 2026-12-04: 18 us a launched product against 6 us
-    one in a graph)."""
+    graph, as a decode step replays them (a launch from Python costs more than either kernel
+    takes on a small matrix: on an H200, 2026-12-04, 18 us a launched product against 6 us one
+    in a graph), each on a copy of w that is not in L2 (cold_copies), as a step reads it."""
     x = torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device)
-    candidates = {"torch": lambda: torch.nn.functional.linear(x, w, bias)}
+    candidates = {"torch": lambda w: torch.nn.functional.linear(x, w, bias)}
     for block_n, block_k, warps in configs:
         candidates[(block_n, block_k, warps)] = functools.partial(
-            gemv, x, w, bias, block_n=block_n, block_k=block_k, num_warps=warps)
-    return _fastest(candidates, "torch", iters, w.device)
+            gemv, x, bias=bias, block_n=block_n, block_k=block_k, num_warps=warps)
+    return _fastest(candidates, "torch", w, iters)
 
 
-def choose_gated(w: torch.Tensor, bias: Optional[torch.Tensor], unfused: Callable[[torch.Tensor], torch.Tensor],
+def choose_gated(w: torch.Tensor, bias: Optional[torch.Tensor],
+                 unfused: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  iters: int = 20, configs=CONFIGS) -> tuple[Optional[Callable], dict]:
-    """Likewise for a SiLU MLP's down projection: `unfused(gate_up)` (the activation's kernel,
-    then the product the layer would take) against gemv(gated=True) at each of `configs`, which
-    reads gate and up and computes the activation in every program: (a callable (gate_up, w,
-    bias) -> out for the fused winner, or None where unfused wins, {setting: microseconds})."""
+    """Likewise for a SiLU MLP's down projection: `unfused(gate_up, w)` (the activation's
+    kernel, then the product the layer would take) against gemv(gated=True) at each of
+    `configs`, which reads gate and up and computes the activation in every program: (a
+    callable (gate_up, w, bias) -> out for the fused winner, or None where unfused wins,
+    {setting: microseconds})."""
     x = torch.randn(1, 2 * w.shape[1], dtype=w.dtype, device=w.device)
-    candidates = {"unfused": lambda: unfused(x)}
+    candidates = {"unfused": lambda w: unfused(x, w)}
     for block_n, block_k, warps in configs:
         candidates[(block_n, block_k, warps)] = functools.partial(
-            gemv, x, w, bias, block_n=block_n, block_k=block_k, num_warps=warps, gated=True)
-    fn, times = _fastest(candidates, "unfused", iters, w.device)
+            gemv, x, bias=bias, block_n=block_n, block_k=block_k, num_warps=warps, gated=True)
+    fn, times = _fastest(candidates, "unfused", w, iters)
     return None if fn is None else functools.partial(fn, gated=True), times
 
 
 def choose_normed(w: torch.Tensor, bias: Optional[torch.Tensor], norm_weight: torch.Tensor, eps: float,
-                  linear: Callable[[torch.Tensor], torch.Tensor], iters: int = 20,
+                  linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], iters: int = 20,
                   configs=CONFIGS) -> tuple[Optional[Callable], dict]:
     """Likewise for a layer's first product after its RMSNorm: the norm's kernel (with the
-    residual add, in place) and then `linear` (the product the layer would take) against
-    normed_gemv at each of `configs`, which reads the row and computes the norm in every program:
-    (a callable (x, residual, norm_weight, eps, w, bias) -> (out, new residual) for the fused
-    winner, or None where apart wins, {setting: microseconds})."""
+    residual add, in place) and then `linear(normed, w)` (the product the layer would take)
+    against normed_gemv at each of `configs`, which reads the row and computes the norm in every
+    program: (a callable (x, residual, norm_weight, eps, w, bias) -> (out, new residual) for the
+    fused winner, or None where apart wins, {setting: microseconds})."""
     from streamserve_kernels.norm import fused_add_rms_norm
 
     x, residual = (torch.randn(1, w.shape[1], dtype=w.dtype, device=w.device) for _ in range(2))
-    candidates = {"unfused": lambda: linear(fused_add_rms_norm(x, residual, norm_weight, eps)[0])}
+    candidates = {"unfused": lambda w: linear(fused_add_rms_norm(x, residual, norm_weight, eps)[0], w)}
     for block_n, block_k, warps in configs:
         candidates[(block_n, block_k, warps)] = functools.partial(
-            normed_gemv, x, residual, norm_weight, eps, w, bias, block_n=block_n, block_k=block_k, num_warps=warps)
-    return _fastest(candidates, "unfused", iters, w.device, normed_gemv)
+            normed_gemv, x, residual, norm_weight, eps, bias=bias, block_n=block_n, block_k=block_k,
+            num_warps=warps)
+    return _fastest(candidates, "unfused", w, iters, normed_gemv)
 
 
-def _fastest(candidates: dict, baseline: str, iters: int, device: torch.device,
+def cold_copies(weight_bytes: int, l2_bytes: int) -> int:
+    """How many copies of a weight a timing cycles through so that none is still in L2 when it
+    comes round again (as in a decode step, which streams gigabytes between two reads of a
+    layer's weight): enough that twice the L2 is read between two reads of one copy, at most
+    MAX_COPIES (a weight that small takes a few microseconds however it is read)."""
+    return max(1, min(MAX_COPIES, -(-2 * l2_bytes // max(1, weight_bytes))))
+
+
+def _fastest(candidates: dict, baseline: str, w: torch.Tensor, iters: int,
              kernel: Callable = gemv) -> tuple[Optional[Callable], dict]:
     """Time each candidate (_timed): (`kernel` at the fastest one's settings, or None where
     `baseline` is fastest, {name: microseconds a call})."""
-    times = _timed(candidates, device, iters)
+    times = _timed(candidates, w, iters)
     best = min(times, key=times.get)
     if best == baseline:
         return None, times
@@ -221,16 +233,22 @@ def _fastest(candidates: dict, baseline: str, iters: int, device: torch.device,
     return functools.partial(kernel, block_n=block_n, block_k=block_k, num_warps=warps), times
 
 
-def _timed(candidates: dict, device: torch.device, iters: int) -> dict:
-    """{name: microseconds a call} for each candidate, timed as `iters` calls captured in one CUDA graph."""
+def _timed(candidates: dict, w: torch.Tensor, iters: int) -> dict:
+    """{name: microseconds a call} for each candidate (a callable of the weight), timed as
+    calls captured in one CUDA graph (`iters`, or one for each of w's cold_copies where there are
+    more), each reading the next copy."""
+    device = w.device
+    l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+    copies = [w] + [w.clone() for _ in range(cold_copies(w.numel() * w.element_size(), l2_bytes) - 1)]
+    iters = max(iters, len(copies))
     times = {}
     for name, fn in candidates.items():
-        fn()  # compiles, outside the capture
+        fn(w)  # compiles, outside the capture
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(iters):
-                fn()
+            for i in range(iters):
+                fn(copies[i % len(copies)])
         graph.replay()  # warm
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()

@@ -334,7 +334,7 @@ class LlamaDecoderLayer(nn.Module):
         # (x, residual, norm weight, eps, weight, bias) -> (the product of the normed row, the new
         # residual) in one kernel, for one-row steps: each norm and the projection after it (the
         # runner sets them on the GPU where they win, streamserve_kernels.gemv.choose_normed;
-        # only a layer of two plain pre-norms takes them, plain_norms)
+        # only a layer of two plain pre-norms takes them, plain_norms; either may be set alone)
         self.normed_qkv: Optional[Callable] = None
         self.normed_gate_up: Optional[Callable] = None
 
@@ -351,7 +351,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext):
         """(hidden, residual) -> the next layer's: the residual stream is their sum."""
-        if self.normed_qkv is not None and ctx.lora is None and hidden.shape[0] == 1 and hidden.is_contiguous():
+        if ((self.normed_qkv is not None or self.normed_gate_up is not None) and ctx.lora is None
+                and hidden.shape[0] == 1 and hidden.is_contiguous()):
             return self._one_row(hidden, residual, ctx)
         if self.input_layernorm is None:  # OLMo 2: x + norm(attention(x)), then + norm(mlp(that))
             x = hidden if residual is None else hidden + residual
@@ -373,15 +374,25 @@ class LlamaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(hidden, ctx)), residual
 
     def _one_row(self, hidden: torch.Tensor, residual: Optional[torch.Tensor], ctx: ForwardContext):
-        """forward for one row, each norm in the kernel of the projection after it (normed_qkv,
-        normed_gate_up; a layer of plain_norms)."""
-        attn, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
-        qkv, residual = self.normed_qkv(hidden, residual, norm.weight, norm.eps, attn.qkv_proj.weight,
-                                        attn.qkv_proj.bias)
-        hidden, norm = attn.attend(qkv, ctx), self.post_attention_layernorm
-        gate_up, residual = self.normed_gate_up(hidden, residual, norm.weight, norm.eps, mlp.gate_up_proj.weight,
-                                                mlp.gate_up_proj.bias)
+        """forward for one row, a norm in the kernel of the projection after it where that is set
+        (normed_qkv, normed_gate_up; a layer of plain_norms)."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = self._normed_product(self.normed_qkv, self.input_layernorm, attn.qkv_proj, hidden,
+                                             residual, ctx)
+        gate_up, residual = self._normed_product(self.normed_gate_up, self.post_attention_layernorm,
+                                                 mlp.gate_up_proj, attn.attend(qkv, ctx), residual, ctx)
         return mlp.down(gate_up, ctx), residual
+
+    @staticmethod
+    def _normed_product(fused: Optional[Callable], norm: RMSNorm, linear: nn.Module, hidden: torch.Tensor,
+                        residual: Optional[torch.Tensor], ctx: ForwardContext):
+        """(linear(norm(hidden + residual)), the new residual): in one kernel where `fused` is set."""
+        if fused is not None:
+            return fused(hidden, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+        if residual is None:
+            return ctx.linear(linear, norm(hidden)), hidden
+        normed, residual = norm(hidden, residual)
+        return ctx.linear(linear, normed), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -376,9 +376,9 @@ class ModelRunner:
         """The one-row kernels that fold a small op into the product after (or before) it, where,
         timed here once per shape against the op's kernel and then the layer's product, they
         win: SiLU-and-mul into the down projection (LlamaMLP.gated_down); each norm of a layer of
-        plain pre-norms into the projection after it (LlamaDecoderLayer.normed_qkv and
-        normed_gate_up, both or neither). `takes`: the (shape, dtype, bias) keys of the weights
-        the GEMV takes (_choose_gemv)."""
+        plain pre-norms into the projection after it (LlamaDecoderLayer.normed_qkv,
+        normed_gate_up). `takes`: the (shape, dtype, bias) keys of the weights the GEMV takes
+        (_choose_gemv)."""
         from streamserve_kernels import gemv
         from streamserve_kernels.activation import silu_and_mul
 
@@ -392,17 +392,22 @@ class ModelRunner:
                 fused[kind, key] = choose(linear.weight, linear.bias)
             return fused[kind, key][0]
 
+        def product(linear: Linear) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+            """(x, weight) -> the one-row product the layer takes, on that weight."""
+            fn = linear.gemv or torch.nn.functional.linear
+            return lambda x, w: fn(x, w, linear.bias)
+
         for layer in self.model.layers:
             mlp, attn = layer.mlp, layer.self_attn
             if self.model.arch.hidden_act == "silu":
-                mlp.gated_down = pick("SiLU-and-mul, then", mlp.down_proj,
-                                      lambda w, b, down=mlp.down_proj: gemv.choose_gated(w, b, lambda x: down(silu_and_mul(x))))
+                down = product(mlp.down_proj)
+                mlp.gated_down = pick("SiLU-and-mul, then", mlp.down_proj, lambda w, b, down=down: gemv.choose_gated(
+                    w, b, lambda x, w: down(silu_and_mul(x), w)))
             if layer.plain_norms:
-                qkv, gate_up = (pick("RMSNorm, then", linear, lambda w, b, norm=norm, linear=linear: gemv.choose_normed(
-                    w, b, norm.weight, norm.eps, linear)) for norm, linear in (
-                    (layer.input_layernorm, attn.qkv_proj), (layer.post_attention_layernorm, mlp.gate_up_proj)))
-                if qkv is not None and gate_up is not None:
-                    layer.normed_qkv, layer.normed_gate_up = qkv, gate_up
+                layer.normed_qkv, layer.normed_gate_up = (
+                    pick("RMSNorm, then", linear, lambda w, b, norm=norm, linear=linear: gemv.choose_normed(
+                        w, b, norm.weight, norm.eps, product(linear))) for norm, linear in (
+                        (layer.input_layernorm, attn.qkv_proj), (layer.post_attention_layernorm, mlp.gate_up_proj)))
         for (kind, (shape, _, _)), (fn, times) in fused.items():
             best = min(times, key=times.get)
             logger.info("one-row step: %s [1, %d] x [%d, %d]^T: %s (%.1f us; apart %.1f us)", kind, shape[1], *shape,

@@ -81,3 +81,62 @@ def test_normed_gemv_is_the_norm_then_the_product(gen, device, dtype, n, k, with
             fused_add_rms_norm(x.clone(), residual.clone(), norm_weight, 1e-6)
         apart = gemv(normed, w, bias, block_n=block_n, block_k=block_k, num_warps=warps)
         assert rel_err(out, apart) < TOLERANCE[dtype] / 10 and torch.equal(total, new_residual)
+
+
+def test_cold_copies_pass_twice_the_l2_between_two_reads_of_a_copy():
+    from streamserve_kernels.gemv import cold_copies
+
+    mib = 2 ** 20
+    assert cold_copies(8 * mib, 50 * mib) == 13  # an o_proj of a 1B model on an H200's 50 MiB
+    assert cold_copies(64 * mib, 50 * mib) == 2
+    assert cold_copies(501 * mib, 50 * mib) == 1  # the head: read whole, it leaves nothing behind
+    assert cold_copies(16 * 1024, 50 * mib) == cold_copies(0, 50 * mib) == 64  # tiny: a bounded number
+
+
+@pytest.mark.parametrize("winner", ["apart", "fused"])
+def test_choosers_time_each_candidate_on_the_weight_they_are_handed(gen, device, monkeypatch, winner):
+    """choose, choose_gated and choose_normed build candidates that read the weight each timed
+    call hands them (a cold copy on the GPU), and hand back the winner's settings. Here the
+    timing (CUDA graphs) is replaced by one call of each on a copy, checked against the reference."""
+    from streamserve_kernels import gemv as gemv_module
+    from streamserve_kernels.activation import silu_and_mul
+
+    w = randn(gen, 40, 128, dtype=torch.float32, device=device)
+    ran = []
+
+    def fake_timed(candidates, weight, iters):
+        times = {}
+        for name, fn in candidates.items():
+            out = fn(weight.clone())
+            ran.append((name, out[0] if isinstance(out, tuple) else out))
+            times[name] = 1.0 if (name in ("torch", "unfused")) == (winner == "apart") else 2.0 + len(times)
+        return times
+    monkeypatch.setattr(gemv_module, "_timed", fake_timed)
+    configs = ((4, 64, 2), (8, 32, 4))
+
+    fn, times = gemv_module.choose(w, configs=configs)
+    assert set(times) == {"torch", *configs} and len(ran) == 3
+    torch_out = ran[0][1]
+    assert all(rel_err(out, torch_out) < TOLERANCE[torch.float32] for _, out in ran[1:])
+    x = randn(gen, 1, 128, dtype=torch.float32, device=device)
+    if winner == "apart":
+        assert fn is None
+    else:
+        assert fn.keywords == dict(block_n=4, block_k=64, num_warps=2)
+        assert rel_err(fn(x, w), gemv_ref(x, w)) < TOLERANCE[torch.float32]
+
+    down = randn(gen, 40, 64, dtype=torch.float32, device=device)
+    fn, _ = gemv_module.choose_gated(down, None, lambda x, w: gemv(silu_and_mul(x), w), configs=configs)
+    gate_up = randn(gen, 1, 128, dtype=torch.float32, device=device)
+    if winner == "fused":
+        assert rel_err(fn(gate_up, down, None), gemv_ref(gate_up, down, gated=True)) < TOLERANCE[torch.float32]
+
+    norm_weight = 1 + randn(gen, 128, dtype=torch.float32, device=device)
+    ran.clear()
+    fn, _ = gemv_module.choose_normed(w, None, norm_weight, 1e-5, lambda x, w: gemv(x, w), configs=configs)
+    assert len(ran) == 3
+    residual = randn(gen, 1, 128, dtype=torch.float32, device=device)
+    if winner == "fused":
+        out, new_residual = fn(x, residual, norm_weight, 1e-5, w, None)
+        ref, ref_residual = gemv_module.normed_gemv_ref(x, residual, norm_weight, 1e-5, w)
+        assert rel_err(out, ref) < TOLERANCE[torch.float32] and torch.equal(new_residual, ref_residual)

@@ -77,10 +77,12 @@ def test_async_scheduling_carries_the_tokens_into_the_graph_buffers(model_dirs):
     assert carried and all(carried)
 
 
-@pytest.mark.parametrize("fused", [("gated",), ("normed",), ("gated", "normed")], ids="+".join)
+@pytest.mark.parametrize("fused", [("gated",), ("normed_qkv",), ("normed_gate_up",),
+                                   ("gated", "normed_qkv", "normed_gate_up")], ids="+".join)
 def test_one_row_steps_through_the_fused_kernels(model_dirs, fused):
     """With SiLU-and-mul fused into the down projection's GEMV, and each norm into the projection
-    after it (what the runner chooses on a GPU where they win), one-row decode steps give the
+    after it, either alone or both (what the runner chooses on a GPU where each wins), one-row
+    decode steps give the
     tokens and logprobs of the kernels apart. (The norms' weights drawn at random, the same in
     both engines: the tiny Llama's are ones, under which one norm's weight would pass for
     another's.)"""
@@ -96,20 +98,21 @@ def test_one_row_steps_through_the_fused_kernels(model_dirs, fused):
         for name, param in llm.engine_core.model_runner.model.named_parameters():
             if name.endswith("norm.weight"):
                 param.data.copy_(1 + 0.3 * torch.randn(param.shape, generator=gen))
-    calls = []
+    calls = set()
 
-    def counted(kernel):
-        return lambda *args: calls.append(1) or kernel(*args)
+    def counted(kind, kernel):
+        return lambda *args: calls.add(kind) or kernel(*args)
     for layer in engines[1].engine_core.model_runner.model.layers:
         assert layer.plain_norms
         if "gated" in fused:
-            layer.mlp.gated_down = counted(functools.partial(gemv, block_n=4, block_k=64, gated=True))
-        if "normed" in fused:
-            layer.normed_qkv = layer.normed_gate_up = counted(functools.partial(normed_gemv, block_n=4, block_k=64))
+            layer.mlp.gated_down = counted("gated", functools.partial(gemv, block_n=4, block_k=64, gated=True))
+        for kind in ("normed_qkv", "normed_gate_up"):
+            if kind in fused:
+                setattr(layer, kind, counted(kind, functools.partial(normed_gemv, block_n=4, block_k=64)))
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
     apart, together = ([llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
                         for p in parity_prompts()[:2]] for llm in engines)
-    assert calls
+    assert calls == set(fused)
     for a, b in zip(apart, together):
         assert a.token_ids == b.token_ids
         assert max(abs(x[t].logprob - y[t].logprob) for t, x, y in zip(a.token_ids, a.logprobs, b.logprobs)) < 1e-4
