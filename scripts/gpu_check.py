@@ -27,7 +27,8 @@ seconds, and the decode section's engines and batch sizes stop DECODE_RESERVE se
      outlives the steps that read the prompts and the timed ones); the KV cache the memory
      profile sized; at batch 1 the fraction of the bandwidth floor (weight bytes + KV bytes read
      per step) / step time / copy bandwidth, and the batch-1 graph's replay alone (the GPU's
-     share of the step, the head not in it) against the floor of what it reads.
+     share of the step, the head not in it) against the floor of what it reads; batch 1 again in an
+     engine whose kernels launch without programmatic dependent launch, against the one with it.
 """
 
 from __future__ import annotations
@@ -216,7 +217,59 @@ def kernel_checks(report: Report, device: torch.device, smoke: bool) -> None:
                     for bn, bk, warps in gemv.CONFIGS]
             check(f"normed gemv [1, {k}]{' + residual' if with_residual else ''} x [{n}, {k}]^T + bias, "
                   f"{len(runs)} settings", max(max(rel_err(out, ref), rel_err(total, ref_total)) for out, total in runs))
+    pdl_chain_check(report, device, smoke)
     staging_check(report, device)
+
+
+def pdl_chain_check(report: Report, device: torch.device, smoke: bool) -> None:
+    """A chain of kernels as a decode layer has them (the norm, two products, SiLU-and-mul, a
+    gated product, back into the row it started from), eight times over in one CUDA graph,
+    launched with programmatic dependent launch: the row it ends with, against the same kernels
+    launched eagerly without it. Each kernel reads its predecessor's output as that finishes,
+    so a read before the wait (streamserve_kernels/launch.py) shows as a different row."""
+    from streamserve_kernels import activation, gemv, launch, norm
+
+    item = "programmatic dependent launch: a layer's chain of kernels x 8 in a CUDA graph"
+    if not launch.pdl(device):
+        report.add("kernels", item, "PDL is not used here")
+        return
+    h, i = (256, 512) if smoke else (2048, 8192)
+    gen = torch.Generator().manual_seed(1)
+    w_in, w_up = (torch.randn(n, k, generator=gen).div(k ** 0.5).to(device, torch.bfloat16)
+                  for n, k in ((h, h), (2 * i, h)))
+    w_down = torch.randn(h, i, generator=gen).div(i ** 0.5).to(device, torch.bfloat16)
+    nw = torch.ones(h, dtype=torch.bfloat16, device=device)
+    start = torch.randn(1, h, generator=gen).to(device, torch.bfloat16)
+    row, normed, mid, up, act = (torch.empty(1, n, dtype=torch.bfloat16, device=device) for n in (h, h, h, 2 * i, i))
+
+    def chain() -> None:
+        for _ in range(8):
+            norm.rms_norm(row, nw, 1e-5, out=normed)
+            gemv.gemv(normed, w_in, out=mid)
+            gemv.gemv(mid, w_up, out=up)
+            activation.silu_and_mul(up, out=act)
+            gemv.gemv(act, w_down, out=mid)
+            gemv.gemv(up, w_down, out=row, gated=True)
+            row.add_(mid)
+
+    launch.ENABLED = False
+    try:
+        row.copy_(start)
+        chain()
+        expected = row.clone()
+    finally:
+        launch.ENABLED = True
+    row.copy_(start)
+    chain()  # compiles the PDL variants, outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    same = True
+    for _ in range(20):
+        row.copy_(start)
+        graph.replay()
+        same &= bool(torch.equal(row, expected))
+    report.add("kernels", item, "identical" if same else "different", "identical", same)
 
 
 def staging_check(report: Report, device: torch.device) -> None:
@@ -482,6 +535,13 @@ def throughput(report: Report, device: torch.device, work: str, copy_bw: float, 
             traceback.print_exc()
             report.add("decode", f"{mode}: failed", f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
         free_memory()
+        if not eager and (False, 1) in step_time and time.perf_counter() < deadline:
+            try:
+                without_pdl(report, device, model_dir, shape, context, steps, step_time)
+            except Exception as exc:
+                traceback.print_exc()
+                report.add("decode", "without PDL: failed", f"{type(exc).__name__}: {str(exc)[:300]}", ok=False)
+            free_memory()
     if (True, 1) in step_time and (False, 1) in step_time:
         speedup = step_time[True, 1] / step_time[False, 1]
         report.add("decode", "batch 1: graphs vs eager", f"{speedup:.2f}x", ">= 2x", speedup >= 2)
@@ -494,14 +554,9 @@ def decode_mode(report: Report, device: torch.device, model_dir: str, shape: dic
                 batches: tuple[int, ...], context: int, steps: int, copy_bw: float, deadline: float,
                 step_time: dict[tuple[bool, int], float]) -> None:
     """One engine (CUDA graphs, or enforce_eager) at each batch size, into step_time[eager, batch]."""
-    from streamserve import LLM
-
     mode = "eager" if eager else "graphs"
     start = time.perf_counter()
-    llm = LLM(model_dir, device=str(device), dtype="bfloat16", load_format="dummy", enforce_eager=eager,
-              kernel_backend="triton", max_model_len=min(2048, shape["max_position_embeddings"]),
-              max_num_seqs=max(batches),
-              gpu_memory_utilization=0.45, kv_cache_memory="256MiB")
+    llm = decode_llm(model_dir, device, shape, eager, max(batches))
     report.add("decode", f"start-up ({mode})", f"{time.perf_counter() - start:.2f} s")
     runner = llm.engine_core.model_runner
     kv_bytes_total = sum(t.numel() * t.element_size() for t in runner.kv_caches)
@@ -552,6 +607,36 @@ def decode_mode(report: Report, device: torch.device, model_dir: str, shape: dic
             report.add("decode", "batch 1: graph replay alone (forward only, no head)",
                        f"{replay * 1e3:.3f} ms of the {step_time[False, 1] * 1e3:.3f} ms step: "
                        f"{forward_floor / replay:.0%} of its bandwidth floor ({forward_floor * 1e3:.2f} ms)")
+
+
+def decode_llm(model_dir: str, device: torch.device, shape: dict, eager: bool, max_num_seqs: int):
+    """The engine the decode section times: the Triton path, bfloat16, random weights."""
+    from streamserve import LLM
+
+    return LLM(model_dir, device=str(device), dtype="bfloat16", load_format="dummy", enforce_eager=eager,
+               kernel_backend="triton", max_model_len=min(2048, shape["max_position_embeddings"]),
+               max_num_seqs=max_num_seqs, gpu_memory_utilization=0.45, kv_cache_memory="256MiB")
+
+
+def without_pdl(report: Report, device: torch.device, model_dir: str, shape: dict, context: int, steps: int,
+                step_time: dict[tuple[bool, int], float]) -> None:
+    """Batch 1 (graphs) in an engine whose kernels launch without programmatic dependent launch
+    (streamserve_kernels/launch.py), against the same with it (step_time[False, 1])."""
+    from streamserve_kernels import launch
+
+    item = "batch 1 (graphs), without programmatic dependent launch"
+    if not launch.pdl(device):
+        report.add("decode", item, "PDL is not used here")
+        return
+    launch.ENABLED = False
+    try:
+        llm = decode_llm(model_dir, device, shape, False, 1)
+        seconds = decode_steps(llm, 1, context, steps)[0]
+    finally:
+        launch.ENABLED = True
+    report.add("decode", item,
+               f"{seconds * 1e3:.2f} ms/step: the step with it takes {step_time[False, 1] / seconds:.0%} of it")
+    del llm
 
 
 def with_scheduling(llm, ahead: bool, run):
@@ -605,6 +690,8 @@ def attention_bandwidth(report: Report, device: torch.device, copy_bw: float, sm
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder for gpu-check.md/.json")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="launch every kernel without programmatic dependent launch (streamserve_kernels/launch.py)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (to check the script on the CPU)")
     parser.add_argument("--budget", type=float, default=300.0,
@@ -619,13 +706,16 @@ def main() -> None:
         sys.exit("on the CPU the kernels run only under TRITON_INTERPRET=1")
     import triton
 
+    from streamserve_kernels import launch
+
+    launch.ENABLED = not args.no_pdl
     started = time.perf_counter()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     header = [f"# GPU check, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
               "", f"- device: {name}", f"- torch {torch.__version__}, triton {triton.__version__}, "
               f"python {platform.python_version()}",
               f"- command: `python scripts/gpu_check.py{' --smoke' if args.smoke else ''}"
-              f"{'' if args.device == 'cuda' else ' --device ' + args.device}`"]
+              f"{'' if args.device == 'cuda' else ' --device ' + args.device}{' --no-pdl' if args.no_pdl else ''}`"]
     report = Report()
     report.on_add = lambda: write("running")
     copy_bw = None

@@ -12,9 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
+from streamserve_kernels.launch import let_next_launch, pdl
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n_cols, stride_x, stride_o, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    let_next_launch(PDL)  # (the product after it reads its weight meanwhile: launch.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -35,7 +38,7 @@ def silu_and_mul(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.T
         return out
     block = min(1024, triton.next_power_of_2(n_cols))
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(n_cols, block))](
-        x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        x, out, n_cols, x.stride(0), out.stride(0), BLOCK=block, PDL=pdl(x.device), num_warps=4)
     return out
 
 

@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from streamserve_kernels.launch import let_next_launch, pdl
+
 LOG2E = 1.4426950408889634
 
 
@@ -258,7 +260,8 @@ def _decode_split_kernel(
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
-        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+    let_next_launch(PDL)  # (the output projection reads its weight meanwhile: launch.py)
     # One program: one sequence's single query token x the GROUP heads of one KV head (rows
     # padded to BLOCK_M >= 16 for tl.dot) over one split of its keys. Split, the last of a
     # (sequence, KV head)'s programs to finish merges their outputs (no second launch).
@@ -376,7 +379,7 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         TILE_N=tile_n or _tile_n(block_size), SPLIT=split, SOFTCAP=softcap > 0,
-        PRECISION=_precision(q), UPCAST=q.device.type == "cpu", num_warps=num_warps)
+        PRECISION=_precision(q), UPCAST=q.device.type == "cpu", PDL=pdl(q.device), num_warps=num_warps)
     return out
 
 

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from streamserve_kernels.launch import let_next_launch, pdl, wait_for_inputs
+
 # (BLOCK_N, BLOCK_K, num_warps) tried by `choose`
 CONFIGS = ((8, 512, 4), (16, 512, 4), (4, 1024, 4), (16, 256, 4), (32, 256, 8))
 MAX_COPIES = 64  # of a weight, timed cold (cold_copies)
@@ -69,9 +71,15 @@ def _row(x_ptr, r_ptr, nw_ptr, inv_rms, idx, K, mask, GATED: tl.constexpr, NORME
 @triton.jit
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, bias_ptr, out_ptr, N, K, stride_wn, eps,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORMED: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                 ROUND_NORMED: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 ROUND_NORMED: tl.constexpr, EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    # the first tile of the weight (no kernel writes it) before waiting for the kernel before (launch.py)
+    w_first = _load(w_rows + cols[None, :], (rows < N)[:, None] & (cols < K)[None, :], EVEN)
+    wait_for_inputs(PDL)
+    let_next_launch(PDL)
     inv_rms = 0.0
     if NORMED:  # a first pass over the row for its sum of squares; the first program writes the new residual
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -83,9 +91,9 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, new_r_ptr, w_ptr, bias_ptr, out_ptr, N, K
             if HAS_RESIDUAL:
                 tl.store(new_r_ptr + k + cols, total.to(new_r_ptr.dtype.element_ty), mask=ok & first)
         inv_rms = tl.rsqrt(tl.sum(squares, 0) / K + eps)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    x = _row(x_ptr, r_ptr, nw_ptr, inv_rms, cols, K, cols < K, GATED, NORMED, HAS_RESIDUAL, ROUND_NORMED, EVEN)
+    acc = w_first.to(tl.float32) * x[None, :]
+    for k in range(BLOCK_K, K, BLOCK_K):
         ok = (k + cols) < K
         w = _load(w_rows + (k + cols)[None, :], (rows < N)[:, None] & ok[None, :], EVEN)
         x = _row(x_ptr, r_ptr, nw_ptr, inv_rms, k + cols, K, ok, GATED, NORMED, HAS_RESIDUAL, ROUND_NORMED, EVEN)
@@ -131,12 +139,13 @@ def _launch(x, residual, norm_weight, new_residual, eps, w, bias, out, block_n, 
     if out is None:
         out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     normed = norm_weight is not None
+    dependent = pdl(x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if normed else x,
         new_residual if residual is not None else x, w, bias if bias is not None else x, out, n, k, w.stride(0), eps,
         HAS_BIAS=bias is not None, GATED=gated, NORMED=normed, HAS_RESIDUAL=residual is not None,
         ROUND_NORMED=normed and norm_weight.dtype != torch.float32, EVEN=n % block_n == 0 and k % block_k == 0,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=dependent, num_warps=num_warps, **({"launch_pdl": True} if dependent else {}))
     return out
 
 

@@ -16,12 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
+from streamserve_kernels.launch import let_next_launch, pdl
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, n_cols, eps,
                      stride_x, stride_r, stride_o,
-                     HAS_RESIDUAL: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, ROUND_NORMED: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     # One program per row; in place is safe since a row is read whole before it is written.
+    let_next_launch(PDL)  # (the product after it reads its weight meanwhile: launch.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -73,7 +77,7 @@ def _launch(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Ten
         x, residual if residual is not None else x, weight, out, n_cols, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         HAS_RESIDUAL=residual is not None, ROUND_NORMED=weight.dtype != torch.float32, BLOCK=block,
-        num_warps=min(16, max(1, block // 256)))
+        PDL=pdl(x.device), num_warps=min(16, max(1, block // 256)))
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,

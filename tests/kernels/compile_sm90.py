@@ -16,7 +16,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from streamserve_kernels import activation, attention, cache, norm, rotary, sampling  # noqa: E402
+from streamserve_kernels import activation, attention, cache, gemv, norm, rotary, sampling  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -43,7 +43,7 @@ def compile_all(dt: str) -> None:
         for split in (True, False):
             compile_kernel(attention._decode_split_kernel, ptrs, dict(
                 GROUP=3, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_M=16, BLOCK_SIZE=32, TILE_N=64, SPLIT=split,
-                SOFTCAP=softcap, PRECISION=precision, UPCAST=False))
+                SOFTCAP=softcap, PRECISION=precision, UPCAST=False, PDL=split))
     compile_kernel(cache._reshape_and_cache_kernel,
                    {"key_ptr": f"*{dt}", "value_ptr": f"*{dt}", "k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}",
                     "slot_mapping_ptr": "*i64"},
@@ -52,11 +52,17 @@ def compile_all(dt: str) -> None:
         for weight_dt in {dt, "fp32"}:  # (a float32 weight: Gemma's norms, rounded once)
             ptrs = {n: f"*{dt}" for n in ("x_ptr", "residual_ptr", "out_ptr")}
             compile_kernel(norm._rms_norm_kernel, {**ptrs, "weight_ptr": f"*{weight_dt}"},
-                           dict(HAS_RESIDUAL=has_residual, ROUND_NORMED=weight_dt != "fp32", BLOCK=1024))
+                           dict(HAS_RESIDUAL=has_residual, ROUND_NORMED=weight_dt != "fp32", BLOCK=1024,
+                                PDL=has_residual))
     compile_kernel(rotary._rotary_kernel,
                    {"positions_ptr": "*i64", "q_ptr": f"*{dt}", "k_ptr": f"*{dt}", "cache_ptr": f"*{dt}"},
                    dict(HALF=32, HALF_PAD=32, Q_HEADS_PAD=16, K_HEADS_PAD=4))
-    compile_kernel(activation._silu_and_mul_kernel, {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}"}, dict(BLOCK=1024))
+    compile_kernel(activation._silu_and_mul_kernel, {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}"}, dict(BLOCK=1024, PDL=True))
+    for gated, normed, pdl in ((False, False, False), (False, False, True), (True, False, True), (False, True, True)):
+        compile_kernel(gemv._gemv_kernel, {n: f"*{dt}" for n in ("x_ptr", "r_ptr", "nw_ptr", "new_r_ptr", "w_ptr",
+                                                                  "bias_ptr", "out_ptr")},
+                       dict(HAS_BIAS=not normed, GATED=gated, NORMED=normed, HAS_RESIDUAL=normed, ROUND_NORMED=normed,
+                            EVEN=not gated, BLOCK_N=4, BLOCK_K=512, PDL=pdl))
     compile_kernel(sampling._argmax_blocks_kernel,
                    {"x_ptr": f"*{dt}", "value_ptr": "*fp32", "index_ptr": "*i32", "nan_ptr": "*i8"},
                    dict(BLOCK=4096), num_warps=8)
