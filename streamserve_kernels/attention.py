@@ -260,7 +260,8 @@ def _decode_split_kernel(
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
-        PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, GROUP_PAD: tl.constexpr,
+        SPLITS_PAD: tl.constexpr):
     let_next_launch(PDL)  # (the output projection reads its weight meanwhile: launch.py)
     # One program: one sequence's single query token x the GROUP heads of one KV head (rows
     # padded to BLOCK_M >= 16 for tl.dot) over one split of its keys. Split, the last of a
@@ -299,39 +300,48 @@ def _decode_split_kernel(
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if SPLIT:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        part_rows = part_ptr + seq * stride_pt + head[:, None] * stride_ph + offs_d[None, :]
-        lse_rows = lse_ptr + seq * stride_lt + head * stride_lh
-        tl.store(part_rows + split * stride_ps, out, mask=io_mask)
-        tl.store(lse_rows + split, lse, mask=row_ok)
+        tl.store(part_ptr + seq * stride_pt + head[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
+                 out, mask=io_mask)
+        tl.store(lse_ptr + seq * stride_lt + head * stride_lh + split, lse, mask=row_ok)
         # Every thread's stores, then one arrival (release: the stores before it are seen by the
         # program that acquires it last), as a grid-wide sync takes it.
         tl.debug_barrier()
         arrival = arrived_ptr + seq * stride_at + kv_head
         if tl.atomic_add(arrival, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(arrival, 0)  # (for the next launch, which starts after this one ends)
-            _merge_splits(out_ptr + seq * stride_ot + head[:, None] * stride_oh + offs_d[None, :], part_rows,
-                          lse_rows, num_splits, stride_ps, io_mask, row_ok, BLOCK_M)
+            _merge_splits(out_ptr, part_ptr, lse_ptr, seq, kv_head, num_splits, stride_ot, stride_oh, stride_pt,
+                          stride_ph, stride_ps, stride_lt, stride_lh, GROUP, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD,
+                          SPLITS_PAD)
     else:
         tl.store(out_ptr + seq * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
-def _merge_splits(out_ptrs, part_rows, lse_rows, num_splits, stride_ps, io_mask, row_ok, BLOCK_M: tl.constexpr):
-    """out = sum_s 2^(lse_s - max) * partial_s / sum_s 2^(lse_s - max), per head row. The loads
-    skip L1 (.cg): the other programs' stores reach L2, not this SM's L1."""
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(lse_rows + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg"))
+def _merge_splits(out_ptr, part_ptr, lse_ptr, seq, kv_head, num_splits, stride_ot, stride_oh, stride_pt,
+                  stride_ph, stride_ps, stride_lt, stride_lh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """out = sum_s 2^(lse_s - max) * partial_s / sum_s 2^(lse_s - max), for a KV head's GROUP
+    query heads, every split read in one load [SPLITS_PAD, GROUP_PAD, HEAD_DIM_PAD] (one wait
+    on L2, not one a split). The loads skip L1 (.cg): the other programs' stores reach L2, not
+    this SM's L1."""
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    head = kv_head * GROUP + offs_g
+    lse_mask = (offs_s[:, None] < num_splits) & (offs_g[None, :] < GROUP)
+    lse = tl.load(lse_ptr + seq * stride_lt + head[None, :] * stride_lh + offs_s[:, None], mask=lse_mask,
+                  other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(part_ptr + seq * stride_pt + head[None, :, None] * stride_ph + offs_s[:, None, None] * stride_ps
+                   + offs_d[None, None, :], mask=lse_mask[:, :, None] & (offs_d < HEAD_DIM)[None, None, :],
+                   other=0.0, cache_modifier=".cg")
+    m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # no key at all (a padding sequence): zeros
-    merged = tl.zeros(io_mask.shape, dtype=tl.float32)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(num_splits):
-        w = tl.exp2(tl.load(lse_rows + s, mask=row_ok, other=float("-inf"), cache_modifier=".cg") - m)
-        merged += w[:, None] * tl.load(part_rows + s * stride_ps, mask=io_mask, other=0.0, cache_modifier=".cg")
-        total += w
-    merged = merged / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptrs, merged.to(out_ptrs.dtype.element_ty), mask=io_mask)
+    w = tl.exp2(lse - m[None, :])
+    total = tl.sum(w, 0)
+    merged = tl.sum(part * w[:, :, None], 0) / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + seq * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             merged.to(out_ptr.dtype.element_ty), mask=(offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: torch.Tensor,
@@ -379,7 +389,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size,
         TILE_N=tile_n or _tile_n(block_size), SPLIT=split, SOFTCAP=softcap > 0,
-        PRECISION=_precision(q), UPCAST=q.device.type == "cpu", PDL=pdl(q.device), num_warps=num_warps)
+        PRECISION=_precision(q), UPCAST=q.device.type == "cpu", PDL=pdl(q.device),
+        GROUP_PAD=max(2, triton.next_power_of_2(group)), SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        num_warps=num_warps)
     return out
 
 

@@ -43,7 +43,7 @@ def compile_all(dt: str) -> None:
         for split in (True, False):
             compile_kernel(attention._decode_split_kernel, ptrs, dict(
                 GROUP=3, HEAD_DIM=64, HEAD_DIM_PAD=64, BLOCK_M=16, BLOCK_SIZE=32, TILE_N=64, SPLIT=split,
-                SOFTCAP=softcap, PRECISION=precision, UPCAST=False, PDL=split))
+                SOFTCAP=softcap, PRECISION=precision, UPCAST=False, PDL=split, GROUP_PAD=4, SPLITS_PAD=16))
     compile_kernel(cache._reshape_and_cache_kernel,
                    {"key_ptr": f"*{dt}", "value_ptr": f"*{dt}", "k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}",
                     "slot_mapping_ptr": "*i64"},
