@@ -241,11 +241,13 @@ class DecodeWorkspace:
 
 
 def choose_num_splits(max_seq_len: int, num_seqs: int, num_kv_heads: int, max_splits: int,
-                      tokens_per_split: int = 256, target_programs: int = 528) -> int:
-    """Splits per sequence: enough programs to fill the GPU (about four per SM on an H100/H200:
-    on an H200 on 2026-12-04, batch 64 of context 4096 on 8 KV heads, 512 programs, read its
-    keys and values at 68% of the copy bandwidth in one split and at 87% in two), but no split
-    shorter than `tokens_per_split`, and at most the workspace's `max_splits`."""
+                      tokens_per_split: int = 256, target_programs: int = 264) -> int:
+    """Splits per sequence: enough programs to fill the GPU (about two per SM on an H100/H200),
+    but no split shorter than `tokens_per_split`, and at most the workspace's `max_splits`.
+    (On an H200, 2026-12-04, batch 64 of context 4096 on 8 KV heads, 512 programs in one split:
+    run 6, with a second kernel merging splits, read its keys and values at 68% of the copy
+    bandwidth in one split and 87% in two; run 8, the splits merged in the split kernel, at 80%
+    in one and 70% in two. Four programs an SM, two splits there, was tried in runs 7 and 8.)"""
     by_length = -(-max_seq_len // tokens_per_split)
     by_occupancy = -(-target_programs // max(1, num_seqs * num_kv_heads))
     return max(1, min(max_splits, by_length, by_occupancy))
