@@ -62,9 +62,11 @@ def _argmax_rows_kernel(value_ptr, index_ptr, nan_ptr, out_ptr, num_blocks, V, B
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] (any float dtype, last dim contiguous) -> int64 [B], as logits.argmax(-1)."""
-    if logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
-        raise ValueError(f"argmax takes logits [B, V] with V > 0, contiguous in V, got {tuple(logits.shape)}")
+    """logits [B, V] (any float dtype) -> int64 [B], as logits.argmax(-1)."""
+    if logits.dim() != 2 or logits.shape[1] == 0:
+        raise ValueError(f"argmax takes logits [B, V] with V > 0, got {tuple(logits.shape)}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:

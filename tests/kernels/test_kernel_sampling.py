@@ -42,10 +42,12 @@ def test_argmax_counts_nan_as_the_largest_as_torch_does(device, small_blocks):
     assert argmax(logits).tolist() == [100, 290, 7] == argmax_ref(logits).tolist()
 
 
-def test_argmax_reads_rows_with_a_stride(gen, device, small_blocks):
+def test_argmax_reads_rows_with_a_stride_and_columns_apart(gen, device, small_blocks):
     wide = randn(gen, 3, 400, dtype=torch.float32, device=device)
     logits = wide[:, :300]
     assert torch.equal(argmax(logits), argmax_ref(logits))
+    columns_apart = wide.t().contiguous().t()
+    assert torch.equal(argmax(columns_apart), argmax_ref(columns_apart))
 
 
 def test_argmax_refuses_misfit_logits(device):
