@@ -8,6 +8,9 @@ and walks K in BLOCK_K columns, multiplying in float32 and summing once at the e
 result is rounded to x's dtype once, as cuBLAS rounds it. Which launch settings win depends
 on the device and the shape, so `choose` times them against torch's product on the shapes
 a model has, and the runner uses this kernel only where it wins (models/layers.Linear.gemv).
+On Hopper and later it launches with programmatic dependent launch, reading its first tile of
+the weight while the kernel before it still runs (launch.py; on an H200 on 2026-12-04 a
+batch-1 step of a 1B model took 0.94 ms with it and 0.97 ms without).
 """
 
 from __future__ import annotations
