@@ -646,7 +646,7 @@ def with_scheduling(llm, ahead: bool, run):
 
     def switch(on: bool) -> None:
         core.read_back_in_flight()
-        core.runs_ahead = core.scheduler.runs_ahead = core.model_runner.runs_ahead = on
+        core.config.scheduler.async_scheduling = "on" if on else "off"
     was = core.runs_ahead
     switch(ahead)
     try:

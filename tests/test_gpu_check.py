@@ -47,7 +47,7 @@ def test_decode_rows_with_async_scheduling_and_without(tmp_path, monkeypatch):
     made = gpu_check.with_scheduling(llm, False, lambda: [stepped.append(core.in_flight) or
                                                           len(core.step()) for _ in range(4)])
     assert made == [3] * 4 and stepped == [None] * 4
-    assert core.runs_ahead and core.in_flight is None and core.scheduler.runs_ahead
+    assert core.runs_ahead and core.in_flight is None and core.scheduler.scheduler_config.runs_ahead
     assert len(core.step()) == 0 and len(core.step()) == 3  # ahead again: the first launches, the next reads
     core.abort_requests(list(core.scheduler.requests))
     while core.has_unfinished_requests():

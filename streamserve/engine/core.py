@@ -63,7 +63,6 @@ class EngineCore:
             for adapter in self.loras.load_modules(config.lora.lora_modules or []):
                 logger.info("LoRA adapter %r: rank %d, %d layers, %.1f MB, from %s", adapter.name, adapter.rank,
                             len(adapter.weights), adapter.nbytes / 1e6, adapter.path)
-        self.runs_ahead = config.scheduler.runs_ahead
         self.in_flight: Optional[InFlight] = None  # (async scheduling) the batch the device runs
         if self.runs_ahead:
             logger.info("async scheduling: each step is scheduled and launched while the one before runs")
@@ -113,6 +112,12 @@ class EngineCore:
         if scheduler.finished_req_ids and not scheduler.has_unfinished_requests():
             self.model_runner.forget(scheduler.finished_req_ids)
             scheduler.finished_req_ids = set()
+
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether each step is launched before the last one's tokens are read: the config's
+        (SchedulerConfig.runs_ahead), which the scheduler and the runner read too."""
+        return self.config.scheduler.runs_ahead
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self.in_flight is not None

@@ -72,8 +72,9 @@ class Scheduler:
         self.max_model_len = config.model.max_model_len
         self.by_priority = config.scheduler.scheduling_policy == "priority"
         self.max_loras = config.lora.max_loras
-        # async scheduling: a step is scheduled while the last one runs, its requests' tokens in flight
-        self.runs_ahead = config.scheduler.runs_ahead
+        # async scheduling: a step is scheduled while the last one runs, its requests' tokens in
+        # flight (runs_ahead, read from here each step)
+        self.scheduler_config = config.scheduler
         self.kv_cache_manager = KVCacheManager(num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching)
         self.requests: dict[str, Request] = {}
@@ -138,7 +139,7 @@ class Scheduler:
         short = False  # the running requests ran the pool dry: nobody starts this step
         sampling: list[str] = []  # async scheduling: the requests that sample this step
         waits = False  # (one of them is read back before the next step)
-        runs_ahead = self.runs_ahead
+        runs_ahead = self.scheduler_config.runs_ahead
 
         # 1. Running requests first, oldest first (by rank, under the priority policy). (The
         # scheduled tokens count as computed from here on: the step runs them.) Preemption

@@ -337,9 +337,8 @@ class ModelRunner:
         self.num_lora_requests = 0  # of those, with a LoRA adapter (their steps group their rows by it)
         self.block_table = BlockTable(config.scheduler.max_num_seqs,
                                       -(-config.model.max_model_len // self.block_size))
-        # async scheduling: the step launched and not read back, whose tokens the next step's
-        # decodes read on the device
-        self.runs_ahead = config.scheduler.runs_ahead
+        # async scheduling (config.scheduler.runs_ahead): the step launched and not read back,
+        # whose tokens the next step's decodes read on the device
         self.in_flight: Optional[LaunchedStep] = None
 
     def _kernel_argmax(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
@@ -620,7 +619,7 @@ class ModelRunner:
             masks = so.allowed_token_masks
             tokens, logprobs = self.sampler.sample(logits, samplers, _row_masks(samplers, masks) if masks else None)
         step = LaunchedStep(samplers, tokens, logprobs, prompt_logprobs, embeddings, so.scheduled_spec_decode_tokens)
-        if self.runs_ahead:
+        if self.config.scheduler.runs_ahead:
             step.read_ahead()
             self.in_flight = step
         return step
