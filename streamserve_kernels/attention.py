@@ -266,7 +266,7 @@ def _decode_split_kernel(
         SPLITS_PAD: tl.constexpr):
     let_next_launch(PDL)  # (the output projection reads its weight meanwhile: launch.py)
     # One program: one sequence's single query token x the GROUP heads of one KV head (rows
-    # padded to BLOCK_M >= 16 for tl.dot) over one split of its keys. Split, the last of a
+    # padded to BLOCK_M >= 16 for tl.dot) over one split of its keys. When split, the last of a
     # (sequence, KV head)'s programs to finish merges their outputs (no second launch).
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -355,9 +355,9 @@ def paged_decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, seq_lens: to
     seq_lens [B], block_tables [B, max_blocks]; returns out [B, Hq, D].
 
     Each sequence's keys are split into `num_splits` pieces (see choose_num_splits), merged
-    with log-sum-exp through `workspace` by the last of each (sequence, KV head)'s programs. With `workspace` and `out` given
-    the call allocates nothing and launches a grid fixed by (B, Hkv, num_splits): safe to
-    capture in a CUDA graph. num_splits == 1 writes `out` directly, without the workspace.
+    with log-sum-exp through `workspace` by the last of each (sequence, KV head)'s programs.
+    With `workspace` and `out` given the call allocates nothing and launches a grid fixed by
+    (B, Hkv, num_splits): safe to capture in a CUDA graph. num_splits == 1 writes `out` directly, without the workspace.
     `num_warps` (and `tile_n`, the keys a program takes at once) are the split kernel's launch
     settings, there to be tuned (scripts/gpu_check.py times a few).
     """
