@@ -252,13 +252,10 @@ def pdl_chain_check(report: Report, device: torch.device, smoke: bool) -> None:
             gemv.gemv(up, w_down, out=row, gated=True)
             row.add_(mid)
 
-    launch.ENABLED = False
-    try:
+    with launch.disabled():
         row.copy_(start)
         chain()
         expected = row.clone()
-    finally:
-        launch.ENABLED = True
     row.copy_(start)
     chain()  # compiles the PDL variants, outside the capture
     graph = torch.cuda.CUDAGraph()
@@ -628,12 +625,9 @@ def without_pdl(report: Report, device: torch.device, model_dir: str, shape: dic
     if not launch.pdl(device):
         report.add("decode", item, "PDL is not used here")
         return
-    launch.ENABLED = False
-    try:
+    with launch.disabled():
         llm = decode_llm(model_dir, device, shape, False, 1)
         seconds = decode_steps(llm, 1, context, steps)[0]
-    finally:
-        launch.ENABLED = True
     report.add("decode", item,
                f"{seconds * 1e3:.2f} ms/step: the step with it takes {step_time[False, 1] / seconds:.0%} of it")
     del llm

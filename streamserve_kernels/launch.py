@@ -15,6 +15,7 @@ interpreter (TRITON_INTERPRET=1) never sees them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -27,6 +28,17 @@ ENABLED = True
 def pdl(device: torch.device) -> bool:
     """Whether the kernels on `device` launch with PDL and take its instructions (their PDL constexpr)."""
     return ENABLED and device.type == "cuda" and _supported(device.index)
+
+
+@contextlib.contextmanager
+def disabled():
+    """Kernels launched within launch without PDL (ENABLED as it was after)."""
+    global ENABLED
+    was, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = was
 
 
 @functools.lru_cache(maxsize=None)

@@ -368,13 +368,13 @@ class Scheduler:
             if request is not None:
                 request.num_pending -= 1
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        waiting = RequestStatus.PREEMPTED
+        preempted_status = RequestStatus.PREEMPTED
         for i, (req_id, tokens) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             request = requests.get(req_id)
             if request is None:  # aborted while the step ran (or, async, finished by the step before)
                 continue
             # (async scheduling: preempted by the step scheduled since, it waits with its token to come)
-            preempted = request.status is waiting
+            preempted = request.status is preempted_status
             num_accepted = len(tokens) - 1  # (the guesses its rows agreed with, before a stop cuts them)
             if len(tokens) == 1:  # (the common step: one token, no slicing)
                 finished = self._append_token(request, tokens[0])

@@ -15,5 +15,8 @@ def test_pdl_only_on_a_cuda_device_of_hopper_or_later_while_enabled(monkeypatch)
     assert launch.pdl(torch.device("cuda", 0))
     assert not launch.pdl(torch.device("cuda", 1))  # an A100: no grid dependency control
     assert not launch.pdl(torch.device("cpu"))
+    with launch.disabled():
+        assert not launch.pdl(torch.device("cuda", 0))
+    assert launch.pdl(torch.device("cuda", 0))  # as it was
     monkeypatch.setattr(launch, "ENABLED", False)
     assert not launch.pdl(torch.device("cuda", 0))
